@@ -1,0 +1,232 @@
+"""Model configuration: a Hugging Face `config.json` read once into a frozen dataclass.
+
+Every field the DSA reference implementations use is read here; nothing downstream looks at the raw dict.
+Errors name the field and what was expected, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json cannot be served; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """RoPE parameters after normalising the `rope_parameters` / legacy `rope_scaling` spellings."""
+
+    rope_type: str  # "default" | "yarn"
+    theta: float
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse" per layer
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_types: tuple[str, ...]  # "full" | "shared" per layer
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    attention_bias: bool
+    tie_word_embeddings: bool
+    num_nextn_predict_layers: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    fp8_block_size: tuple[int, int] | None  # DeepSeek block-quantized FP8 weights, e.g. (128, 128)
+    index_share_for_mtp_iteration: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token per layer in the MLA cache: c_kv ‖ k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def interleaved_index_rope(self) -> bool:
+        """GLM's indexer rotates interleaved pairs; DeepSeek-V3.2's uses the half-split layout."""
+        return self.model_type == "glm_moe_dsa"
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Target layers plus the MTP layers (each has its own KV cache)."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        per_layer = self.latent_dim + self.index_head_dim
+        return self.num_cache_layers * per_layer * dtype_bytes
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{path}: config.json not found (model directory must be a Hugging Face checkpoint)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path}: invalid JSON ({exc})") from exc
+    return parse_model_config(raw)
+
+
+def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(
+            f"config.json model_type={model_type!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if raw.get("q_lora_rank") is None:
+        raise ModelConfigError("config.json q_lora_rank is required by DSA models (the indexer reads q_a's output)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"config.json hidden_act={act!r} is not supported; allowed: silu")
+    layers = _required_int(raw, "num_hidden_layers")
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=_required_int(raw, "vocab_size"),
+        hidden_size=_required_int(raw, "hidden_size"),
+        intermediate_size=_required_int(raw, "intermediate_size"),
+        moe_intermediate_size=_required_int(raw, "moe_intermediate_size"),
+        num_hidden_layers=layers,
+        num_attention_heads=_required_int(raw, "num_attention_heads"),
+        q_lora_rank=_required_int(raw, "q_lora_rank"),
+        kv_lora_rank=_required_int(raw, "kv_lora_rank"),
+        qk_nope_head_dim=_required_int(raw, "qk_nope_head_dim"),
+        qk_rope_head_dim=_required_int(raw, "qk_rope_head_dim"),
+        v_head_dim=_required_int(raw, "v_head_dim"),
+        n_routed_experts=int(raw.get("n_routed_experts") or raw.get("num_experts") or 0),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        mlp_layer_types=_mlp_layer_types(raw, layers),
+        index_n_heads=_required_int(raw, "index_n_heads"),
+        index_head_dim=_required_int(raw, "index_head_dim"),
+        index_topk=_required_int(raw, "index_topk"),
+        indexer_types=_indexer_types(raw, layers),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_rope_spec(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        fp8_block_size=_fp8_block_size(raw.get("quantization_config")),
+        index_share_for_mtp_iteration=bool(raw.get("index_share_for_mtp_iteration", False)),
+    )
+
+
+def _required_int(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelConfigError(f"config.json {key}={value!r}: a positive integer is required")
+    return value
+
+
+def _mlp_layer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        n_dense = min(int(raw.get("first_k_dense_replace", 0) or 0), layers)
+        types = ["dense"] * n_dense + ["sparse"] * (layers - n_dense)
+    if len(types) != layers or any(t not in ("dense", "sparse") for t in types):
+        raise ModelConfigError(f"config.json mlp_layer_types={types!r}: need {layers} entries of 'dense' / 'sparse'")
+    return tuple(types)
+
+
+def _indexer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
+    types = raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        pattern = raw["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None and raw.get("model_type") == "glm_moe_dsa":
+        freq = max(int(raw.get("index_topk_freq", 1)), 1)
+        offset = int(raw.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if types is None:
+        types = ["full"] * layers
+    if len(types) != layers or any(t not in ("full", "shared") for t in types) or types[0] != "full":
+        raise ModelConfigError(
+            f"config.json indexer_types={types!r}: need {layers} entries of 'full' / 'shared', the first 'full'"
+        )
+    return tuple(types)
+
+
+def _rope_spec(raw: dict[str, Any]) -> RopeSpec:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RopeSpec(rope_type="default", theta=theta)
+    if rope_type != "yarn":
+        raise ModelConfigError(f"config.json rope_parameters.rope_type={rope_type!r}; allowed: default, yarn")
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    original = int(params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") or max_pos)
+    factor = params.get("factor")
+    return RopeSpec(
+        rope_type="yarn",
+        theta=theta,
+        factor=float(factor) if factor is not None else max_pos / original,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _fp8_block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ModelConfigError(f"config.json quantization_config.quant_method={method!r}; allowed: fp8")
+    block = quant.get("weight_block_size") or [128, 128]
+    return int(block[0]), int(block[1])

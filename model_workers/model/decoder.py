@@ -1,0 +1,122 @@
+"""Decoder layers, the DSA causal LM body, and the MTP (NextN) layer.
+
+Module names follow the Hugging Face checkpoint keys (`model.layers.{i}.self_attn.q_a_proj`, ...), so
+loading is a name lookup. The MTP layer lives at `model.layers.{num_hidden_layers}`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import MLAttention
+from .backend import AttentionBackend
+from .config import ModelConfig
+from .layers import MLP, MoE, RMSNorm
+from .rope import RotaryTable
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, has_indexer: bool, sparse_mlp: bool):
+        super().__init__()
+        self.self_attn = MLAttention(config, has_indexer)
+        self.mlp = MoE(config) if sparse_mlp else MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, backend: AttentionBackend, layer_id: int, shared_topk):
+        """x [T, hidden] -> (x [T, hidden], top-k ids of this layer)."""
+        attn_out, topk_ids = self.self_attn(self.input_layernorm(x), cos, sin, backend, layer_id, shared_topk)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), topk_ids
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig, has_own_head: bool):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if has_own_head else None
+
+
+class MTPLayer(DecoderLayer):
+    """h' = eh_proj([enorm(embed(t_{i+1})) ‖ hnorm(h_i)]) -> decoder layer -> shared_head.norm -> lm_head."""
+
+    def __init__(self, config: ModelConfig, sparse_mlp: bool, has_own_head: bool):
+        super().__init__(config, has_indexer=True, sparse_mlp=sparse_mlp)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config, has_own_head)
+
+
+class DSABody(nn.Module):
+    def __init__(self, config: ModelConfig, mtp_layout: list[tuple[bool, bool]]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers: list[nn.Module] = [
+            DecoderLayer(config, config.indexer_types[i] == "full", config.mlp_layer_types[i] == "sparse")
+            for i in range(config.num_hidden_layers)
+        ]
+        layers += [MTPLayer(config, sparse, own_head) for sparse, own_head in mtp_layout]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DSAForCausalLM(nn.Module):
+    """Pure torch: callers pass token ids, global positions and an attention backend.
+
+    `mtp_layout` lists, per MTP layer present in the checkpoint, (MoE MLP?, own shared_head.head?).
+    """
+
+    def __init__(self, config: ModelConfig, mtp_layout: list[tuple[bool, bool]] | None = None):
+        super().__init__()
+        self.config = config
+        self.model = DSABody(config, mtp_layout or [])
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryTable(config)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.model.layers) - self.config.num_hidden_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden] (the rows this process owns)."""
+        cos, sin = self.rotary.for_positions(positions)
+        x = self.model.embed_tokens(input_ids)
+        topk_ids = None
+        for layer_id in range(self.config.num_hidden_layers):
+            x, topk_ids = self.model.layers[layer_id](x, cos, sin, backend, layer_id, topk_ids)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> logits [T, vocab] in float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def mtp_forward(
+        self,
+        next_ids: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        mtp_index: int = 0,
+    ) -> torch.Tensor:
+        """One MTP layer: next_ids [T] (t_{i+1}), prev_hidden [T, hidden] (h_i), positions [T] (i).
+
+        Returns the layer's hidden output [T, hidden] before `shared_head.norm`; feed it back as
+        `prev_hidden` for a recursive draft step, or pass it to `mtp_logits`.
+        """
+        layer_id = self.config.num_hidden_layers + mtp_index
+        mtp: MTPLayer = self.model.layers[layer_id]
+        cos, sin = self.rotary.for_positions(positions)
+        embedded = mtp.enorm(self.model.embed_tokens(next_ids))
+        x = mtp.eh_proj(torch.cat([embedded, mtp.hnorm(prev_hidden)], dim=-1))  # [T, hidden]
+        x, _ = DecoderLayer.forward(mtp, x, cos, sin, backend, layer_id, None)
+        return x
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
+        mtp: MTPLayer = self.model.layers[self.config.num_hidden_layers + mtp_index]
+        normed = mtp.shared_head.norm(mtp_hidden)
+        if mtp.shared_head.head is not None:
+            return torch.nn.functional.linear(normed, mtp.shared_head.head.weight).float()
+        return self.logits(normed)

@@ -1,0 +1,102 @@
+"""Single-process model runner: appends tokens to requests through the paged cache and returns hidden states.
+
+Prefill, chunked prefill (a cached prefix), decode and multi-token verification are all "extend": each
+request appends some tokens at positions table.num_tokens.. and its queries see every earlier key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import PagedKVCache, PageTable
+from .model.decoder import DSAForCausalLM
+from .torch_backend import ForwardBatch, TorchBackend
+
+
+@dataclass
+class ExtendItem:
+    table: PageTable
+    token_ids: list[int]
+
+
+def build_forward_batch(items: list[ExtendItem], page_size: int, device) -> ForwardBatch:
+    """Rows are the new tokens, request after request; every request's keys are its positions 0..end-1."""
+    positions, request_rows, key_slots, write_slots = [], [], [], []
+    row = 0
+    for item in items:
+        start, count = item.table.num_tokens, len(item.token_ids)
+        positions.append(torch.arange(start, start + count))
+        request_rows.append(torch.arange(row, row + count, device=device))
+        slots = item.table.slots(0, start + count, page_size).to(device)
+        key_slots.append(slots)
+        write_slots.append(slots[start:])
+        row += count
+    return ForwardBatch(
+        positions=torch.cat(positions).to(device),
+        request_rows=tuple(request_rows),
+        key_slots=tuple(key_slots),
+        write_slots=torch.cat(write_slots),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: DSAForCausalLM, num_pages: int, page_size: int = 64, device="cpu"):
+        config = model.config
+        self.model, self.device, self.page_size = model, torch.device(device), page_size
+        indexed = [t == "full" for t in config.indexer_types] + [True] * model.num_mtp_layers
+        dtype = model.model.embed_tokens.weight.dtype
+        self.cache = PagedKVCache(
+            num_pages, page_size, config.latent_dim, config.index_head_dim, indexed, dtype, self.device
+        )
+        self.backend = TorchBackend(self.cache)
+
+    def reserve(self, items: list[ExtendItem]) -> None:
+        for item in items:
+            self.cache.reserve(item.table, item.table.num_tokens + len(item.token_ids))
+
+    @torch.inference_mode()
+    def extend(self, items: list[ExtendItem]) -> torch.Tensor:
+        """Runs the target model on the new tokens; returns final-normed hidden [sum(new), hidden]."""
+        self.reserve(items)
+        batch = build_forward_batch(items, self.page_size, self.device)
+        ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, batch.positions, self.backend.bind(batch))
+        for item in items:
+            item.table.num_tokens += len(item.token_ids)
+        return hidden
+
+    @torch.inference_mode()
+    def extend_mtp(
+        self, items: list[ExtendItem], prev_hidden: torch.Tensor, tables_start: list[int], mtp_index: int = 0
+    ) -> torch.Tensor:
+        """Runs MTP layer `mtp_index` on (t_{i+1}, h_i) rows at positions tables_start[r].. of each request.
+
+        The MTP layer's KV lives in its own cache layer under the request's page table; `token_ids` of each
+        item are the t_{i+1}. Returns the MTP hidden output [rows, hidden] (before shared_head.norm).
+        """
+        shifted = [ExtendItem(PageTable(it.table.pages, start), it.token_ids) for it, start in zip(items, tables_start)]
+        batch = build_forward_batch(shifted, self.page_size, self.device)
+        ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
+        return self.model.mtp_forward(ids, prev_hidden, batch.positions, self.backend.bind(batch), mtp_index)
+
+    def release(self, table: PageTable) -> None:
+        self.cache.release(table)
+
+
+def greedy_generate(runner: ModelRunner, prompt_ids: list[int], max_tokens: int, stop_ids=()) -> list[int]:
+    """Greedy decoding, one token per step through the paged cache."""
+    table = PageTable()
+    out: list[int] = []
+    try:
+        hidden = runner.extend([ExtendItem(table, list(prompt_ids))])
+        for _ in range(max_tokens):
+            token = int(runner.model.logits(hidden[-1:]).argmax(-1))
+            out.append(token)
+            if token in stop_ids or len(out) == max_tokens:
+                break
+            hidden = runner.extend([ExtendItem(table, [token])])
+    finally:
+        runner.release(table)
+    return out

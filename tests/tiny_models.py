@@ -1,0 +1,102 @@
+"""Tiny random DSA checkpoints built with the `transformers` reference classes (the correctness oracle)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    qk_nope_head_dim=16,
+    index_topk=8,
+    index_head_dim=32,
+    index_n_heads=8,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1}
+
+SHAPES = {
+    "v32": dict(model_type="deepseek_v32"),
+    "v32_yarn": dict(model_type="deepseek_v32", rope_parameters=YARN, tie_word_embeddings=True, index_topk=12),
+    "glm_shared": dict(model_type="glm_moe_dsa", num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"],
+                       n_group=1, topk_group=1, index_topk=6),
+}
+
+
+def reference_model(kind: str, seed: int = 0, **overrides):
+    """A random transformers model of the given shape, with a non-zero e_score_correction_bias."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    spec = {**BASE, **SHAPES[kind], **overrides}
+    model_type = spec.pop("model_type")
+    config_cls, model_cls = {
+        "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
+        "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM),
+    }[model_type]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**spec)).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.5)
+        for name, param in model.named_parameters():  # larger weights: sharper routing and attention
+            if param.dim() >= 2:
+                param.mul_(3.0)
+    return model
+
+
+def save_reference(model, out_dir: Path) -> Path:
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def add_mtp_layer(model_dir: Path, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Appends random MTP weights at model.layers.{N} (copied shapes from the last layer) and returns them."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    tensors = load_file(model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    hidden = config["hidden_size"]
+    mtp = {}
+    for name, value in tensors.items():
+        if name.startswith(f"model.layers.{n - 1}."):
+            new_name = name.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")
+            if "norm" in name and value.dim() == 1 and "bias" not in name:
+                mtp[new_name] = 1.0 + 0.1 * torch.randn(value.shape, generator=generator)
+            else:
+                mtp[new_name] = torch.randn(value.shape, generator=generator) * value.std()
+    mtp[f"model.layers.{n}.enorm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
+    mtp[f"model.layers.{n}.hnorm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) / (2 * hidden) ** 0.5
+    mtp[f"model.layers.{n}.shared_head.norm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
+    tensors.update(mtp)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return mtp
