@@ -1,0 +1,124 @@
+"""CP configuration: the user's choice (validated pydantic model) and its start-up resolution.
+
+`resolve_cp_config` applies the rules of DESIGN.md section 5 ("Which
+implementation runs") once, against the model's Hugging Face config.json (`hf_config`)
+(as a dict), and returns a frozen `ResolvedCPConfig`. Every error is one
+line naming the offending field and its allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CPStrategyName = Literal["zigzag", "interleave"]
+CPImplName = Literal["auto", "legacy", "v2"]
+
+# Non-DSA model types in the v2 family (they default to cp_impl=v2): the MiMo-V2 models.
+V2_FAMILY_MODEL_TYPES = frozenset({"mimo_v2", "mimo_v2_flash"})
+# Architectures whose name starts with this prefix belong to the MiMo-V2 family too.
+MIMO_V2_ARCHITECTURE_PREFIX = "MiMoV2"
+# Sub-configs that mark a multimodal model config.
+MULTIMODAL_CONFIG_KEYS = ("vision_config", "audio_config", "video_config")
+
+
+class CPConfig(BaseModel):
+    """User-facing CP settings (CLI / Serve config)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enable_prefill_cp: bool = False
+    cp_size: int = Field(default=1, ge=1)
+    cp_strategy: CPStrategyName | None = None
+    cp_impl: CPImplName = "auto"
+
+    @model_validator(mode="after")
+    def _strategy_required(self) -> CPConfig:
+        if self.enable_prefill_cp and self.cp_strategy is None:
+            raise ValueError(
+                "cp_strategy is required when enable_prefill_cp is true; allowed values: 'zigzag', 'interleave'"
+            )
+        return self
+
+
+def _error_line(error: Mapping[str, Any]) -> str:
+    """One pydantic error as `field: message (got value)`; model-level errors already name their field."""
+    if not error["loc"]:
+        return error["msg"].removeprefix("Value error, ")
+    field = ".".join(map(str, error["loc"]))
+    if error["type"] == "extra_forbidden":
+        return f"{field}: unknown field; allowed fields: {', '.join(CPConfig.model_fields)}"
+    return f"{field}: {error['msg']} (got {error['input']!r})"
+
+
+def parse_cp_config(fields: Mapping[str, Any]) -> CPConfig:
+    """Build a CPConfig; a validation failure becomes one ValueError line naming field and allowed values."""
+    try:
+        return CPConfig(**fields)
+    except ValidationError as err:
+        raise ValueError("invalid CP config: " + "; ".join(map(_error_line, err.errors()))) from None
+
+
+@dataclass(frozen=True)
+class ResolvedCPConfig:
+    """What the engine runs with; `impl` is never "auto"."""
+
+    enabled: bool  # build CP metadata for prefill batches
+    cp_size: int
+    strategy: str | None  # "zigzag" | "interleave" (None only when CP is disabled)
+    impl: str  # "legacy" | "v2"
+
+
+def is_dsa_model(hf_config: Mapping[str, Any]) -> bool:
+    """DeepSeek Sparse Attention models carry an indexer: `index_topk` in config.json."""
+    return "index_topk" in hf_config
+
+
+def is_mimo_v2_family(hf_config: Mapping[str, Any]) -> bool:
+    if hf_config.get("model_type") in V2_FAMILY_MODEL_TYPES:
+        return True
+    architectures = hf_config.get("architectures") or ()
+    return any(arch.startswith(MIMO_V2_ARCHITECTURE_PREFIX) for arch in architectures)
+
+
+def is_multimodal(hf_config: Mapping[str, Any]) -> bool:
+    return any(key in hf_config for key in MULTIMODAL_CONFIG_KEYS)
+
+
+def default_cp_impl(cp: CPConfig, hf_config: Mapping[str, Any]) -> str:
+    """The implementation chosen for cp_impl="auto".
+
+    DSA models (MTP index-sharing ones such as GLM-5.2 included, they are not
+    forced onto legacy): v2 only with prefill CP enabled and strategy
+    interleave, else legacy. Non-DSA v2-family models: v2. Others: legacy.
+    """
+    if is_dsa_model(hf_config):
+        return "v2" if cp.enable_prefill_cp and cp.cp_strategy == "interleave" else "legacy"
+    return "v2" if is_mimo_v2_family(hf_config) else "legacy"
+
+
+def _check_mimo_v2(cp: CPConfig, impl: str, hf_config: Mapping[str, Any]) -> None:
+    """MiMo-V2 family with prefill CP under v2: zigzag only, text only."""
+    if not (cp.enable_prefill_cp and impl == "v2" and is_mimo_v2_family(hf_config)):
+        return
+    if cp.cp_strategy != "zigzag":
+        raise ValueError(
+            f"cp_strategy={cp.cp_strategy!r} is not supported for MiMo-V2 models with cp_impl=v2;"
+            " allowed values: 'zigzag'"
+        )
+    if is_multimodal(hf_config) and hf_config.get("language_only") is not True:
+        raise ValueError(
+            f"language_only={hf_config.get('language_only')!r} in the model config: multimodal MiMo-V2"
+            " models with prefill CP and cp_impl=v2 must be text only; allowed values: true"
+        )
+
+
+def resolve_cp_config(cp: CPConfig, hf_config: Mapping[str, Any]) -> ResolvedCPConfig:
+    """Resolve cp_impl="auto" once at start-up (an explicit cp_impl always wins) and check the family rules."""
+    impl = default_cp_impl(cp, hf_config) if cp.cp_impl == "auto" else cp.cp_impl
+    _check_mimo_v2(cp, impl, hf_config)
+    return ResolvedCPConfig(
+        enabled=cp.enable_prefill_cp, cp_size=cp.cp_size, strategy=cp.cp_strategy, impl=impl
+    )

@@ -1,0 +1,52 @@
+"""Causal-work balance of one request of length L across CP ranks.
+
+Work of a rank = sum over its queries of the length of their causal key range.
+zigzag: max - min <= 2L; interleave: <= L; a contiguous split: about L^2 / C.
+"""
+
+import pytest
+import torch
+
+from cp_router import CP_IMPLS, build_cp_metadata, can_split
+
+LENGTHS = [2, 7, 16, 17, 25, 63, 100, 255, 256, 299, 300]
+BOUND_IN_L = {"zigzag": 2, "interleave": 1}
+
+
+def rank_work(meta):
+    """[C] causal work per rank, read from the metadata's key ranges (logical rows only)."""
+    work = []
+    for cp_rank in range(meta.cp_size):
+        logical = meta.per_rank_logical_token[cp_rank]
+        ranges = meta.key_end_local[cp_rank][:logical] - meta.key_start_local[cp_rank][:logical]  # [T_logical]
+        work.append(int(ranges.sum()))
+    return work
+
+
+def contiguous_work(extend_len, cp_size):
+    """[C] causal work per rank when rank r takes the r-th contiguous chunk of the request."""
+    chunks = torch.tensor_split(torch.arange(extend_len), cp_size)
+    return [int((chunk + 1).sum()) for chunk in chunks]
+
+
+@pytest.mark.parametrize("impl", CP_IMPLS)
+@pytest.mark.parametrize("strategy", ["zigzag", "interleave"])
+def test_strategy_balances_causal_work(strategy, impl):
+    for cp_size in range(1, 9):
+        for extend_len in LENGTHS:
+            if not can_split([extend_len], cp_size, strategy):
+                continue
+            work = rank_work(build_cp_metadata([extend_len], [0], cp_size, strategy, impl))
+            assert sum(work) == extend_len * (extend_len + 1) // 2
+            assert max(work) - min(work) <= BOUND_IN_L[strategy] * extend_len, (cp_size, extend_len, work)
+
+
+@pytest.mark.parametrize("cp_size", range(2, 9))
+def test_contiguous_split_is_unbalanced_by_about_l_squared_over_c(cp_size):
+    extend_len = 256
+    contiguous = contiguous_work(extend_len, cp_size)
+    spread = max(contiguous) - min(contiguous)
+    assert spread >= extend_len**2 / (2 * cp_size)  # (C-1)/C * L^2/C, up to chunk rounding
+    for strategy in ("zigzag", "interleave"):
+        work = rank_work(build_cp_metadata([extend_len], [0], cp_size, strategy, "v2"))
+        assert max(work) - min(work) <= 2 * extend_len < spread
