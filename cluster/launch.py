@@ -1,0 +1,109 @@
+"""Ray placement and launch of one CP engine: C CPWorker actors in a placement group, their process group, a router.
+
+One placement group per engine with C bundles (`{"GPU": 1}` each when CUDA is available, else
+`{"CPU": 1}`), one worker per bundle; cp_rank 0 picks the rendezvous address and a free port, which
+the launcher passes to every rank. A group that cannot be placed fails after a timeout with an error
+naming what it asked for; `CPEngine.shutdown` kills the actors and removes the placement group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import ResolvedCPConfig
+from cp_router.router import Router
+from model_workers.cp_worker import CPWorker
+
+
+class PlacementTimeout(RuntimeError):
+    """The placement group of an engine could not be placed in time."""
+
+
+def start_ray(cp_size: int, address: str | None = None) -> bool:
+    """Joins the Ray cluster at `address`, or starts a local one; returns True when this call started Ray.
+
+    A local Ray gets at least cp_size + 1 logical CPUs (C workers + the router), so a machine with fewer
+    cores still places the group (the workers then share cores).
+    """
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        return False
+    num_cpus = max(os.cpu_count() or 1, cp_size + 1)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+@dataclass
+class CPEngine:
+    """Handles of one launched engine; `router` is a Ray actor running `cp_router.router.Router`."""
+
+    cp: ResolvedCPConfig
+    workers: list
+    router: object
+    placement: object
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+        finally:
+            for actor in [self.router, *self.workers]:
+                ray.kill(actor)
+            remove_placement_group(self.placement)
+
+
+def _place(cp_size: int, use_gpu: bool, timeout_s: float):
+    bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
+    group = placement_group([dict(bundle) for _ in range(cp_size)], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise PlacementTimeout(
+            f"placement group of {cp_size} bundles {bundle} (cp_size={cp_size}) not placed within {timeout_s:g}s;"
+            f" cluster resources: {ray.cluster_resources()}, available: {ray.available_resources()}"
+        ) from None
+    return group
+
+
+def launch_engine(
+    model_dir: str | Path,
+    cp: ResolvedCPConfig,
+    dtype: str = "float32",
+    num_pages: int = 256,
+    page_size: int = 64,
+    placement_timeout_s: float = 60.0,
+    threads_per_worker: int = 1,
+    use_gpu: bool | None = None,
+) -> CPEngine:
+    """Starts the workers (one per CP rank), joins them in a process group, loads the checkpoint everywhere."""
+    use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
+    group = _place(cp.cp_size, use_gpu, placement_timeout_s)
+    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
+    worker_cls = ray.remote(CPWorker)
+    workers = [
+        worker_cls.options(
+            **resources,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=cp_rank),
+        ).remote(cp_rank, cp.cp_size, threads_per_worker)
+        for cp_rank in range(cp.cp_size)
+    ]
+    router = ray.remote(Router).remote(workers, cp.cp_size, cp.strategy, cp.impl, cp.enabled)
+    engine = CPEngine(cp, workers, router, group)
+    try:
+        master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
+        ray.get([w.init_comm.remote(master_addr, master_port) for w in workers])
+        ray.get([w.load.remote(str(model_dir), dtype, num_pages, page_size) for w in workers])
+    except Exception:
+        engine.shutdown()
+        raise
+    return engine

@@ -1,0 +1,137 @@
+"""One rank's part of a CP prefill batch (DESIGN.md 6.2-6.4): target forward, gather, logits, MTP draft.
+
+Every rank runs the same sequence of collectives (one per layer, one per hidden-state gather), so the
+sizes match on all ranks by construction. With `meta.cp_size == 1` and a `LocalComm` the same code is
+the non-CP path (one rank, no collectives, no padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cp_router.metadata import CPMetadata
+from cp_router.plans import NEXT_ID_SAMPLED, PrefillShard, RequestOutput
+
+from .comm import LocalComm
+from .cp_backend import CPBackend, gather_rows_global
+from .kv_cache import PageTable
+from .model.decoder import DSAForCausalLM
+from .sampler import sample_token
+from .torch_backend import ForwardBatch
+
+
+@dataclass
+class PrefillContext:
+    """What one rank's prefill needs besides the shard: its model, backend, group and request state."""
+
+    model: DSAForCausalLM
+    backend: CPBackend
+    comm: LocalComm
+    cp_rank: int  # the worker's rank: it reports the requests it owns
+    tables: list[PageTable]  # per request of the batch, this rank's pages (reserved for prefix + extend)
+    generators: list[torch.Generator]  # per request, seeded alike on every rank
+    page_size: int
+    device: torch.device
+
+
+def cp_forward_batch(tables: list[PageTable], meta: CPMetadata, shard_index: int, page_size: int, device) -> ForwardBatch:
+    """Rows: this rank's logical rows. Keys: every request's positions 0..prefix+extend-1 in this rank's cache."""
+    num_local = meta.per_rank_logical_token[shard_index]
+    request_index_local = meta.request_index_local[shard_index][:num_local]  # [T_logical]
+    request_rows, key_slots, write_slots = [], [], []
+    for s, table in enumerate(tables):
+        prefix_len = meta.prefix_lens[s]
+        slots = table.slots(0, prefix_len + meta.extend_lens[s], page_size).to(device)  # [K_s]
+        key_slots.append(slots)
+        write_slots.append(slots[prefix_len:])  # [L_s] stream order of request s
+        request_rows.append(torch.nonzero(request_index_local == s).flatten().to(device))
+    return ForwardBatch(
+        positions=meta.positions_local[shard_index][:num_local].to(device),  # [T_logical] global positions
+        request_rows=tuple(request_rows),
+        key_slots=tuple(key_slots),
+        write_slots=torch.cat(write_slots),  # [N] global stream order
+    )
+
+
+def last_rows_global(meta: CPMetadata) -> torch.Tensor:
+    """[R] stream index of each request's last extend token."""
+    return torch.tensor(meta.stream_offsets[1:], dtype=torch.long) - 1
+
+
+def fill_sampled(next_ids_local: torch.Tensor, request_index_local: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """MTP input ids [T_logical]: NEXT_ID_SAMPLED rows take their request's sampled token."""
+    return torch.where(next_ids_local == NEXT_ID_SAMPLED, sampled[request_index_local], next_ids_local)
+
+
+def topk_positions_global(ctx: PrefillContext, batch: ForwardBatch, meta: CPMetadata, topk_slots: torch.Tensor) -> torch.Tensor:
+    """Top-k cache slots [T_logical, k] of this rank -> key positions [N, k] in global order (-1 padded).
+
+    Positions, unlike slots, mean the same on every rank, so the owner can map them onto its own pages.
+    """
+    slot_to_position = torch.full((ctx.backend.cache.latent[0].shape[0],), -1, dtype=torch.long, device=ctx.device)
+    for key_slots in batch.key_slots:
+        slot_to_position[key_slots] = torch.arange(key_slots.numel(), device=ctx.device)
+    positions_local = torch.where(topk_slots >= 0, slot_to_position[topk_slots.clamp_min(0)], -1)  # [T_logical, k]
+    return gather_rows_global(ctx.comm, meta, positions_local, "topk", fill_value=-1)  # [N, k]
+
+
+def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -> dict[str, RequestOutput]:
+    """Runs this rank's shard; returns the outputs of the requests this rank owns."""
+    meta, model = shard.meta, ctx.model
+    batch = cp_forward_batch(ctx.tables, meta, shard.shard_index, ctx.page_size, ctx.device)
+    ids_local = shard.token_ids_local.to(ctx.device)  # [T_logical]
+    hidden_local = model(ids_local, batch.positions, ctx.backend.bind_shard(batch, meta, ctx.comm))  # [T_logical, D]
+    for s, table in enumerate(ctx.tables):
+        table.num_tokens = meta.prefix_lens[s] + meta.extend_lens[s]
+    hidden_global = gather_rows_global(ctx.comm, meta, hidden_local, "hidden")  # [N, D]
+    last_rows = last_rows_global(meta).to(ctx.device)  # [R]
+    logits = model.logits(hidden_global[last_rows])  # [R, vocab] float32
+    sampled = torch.tensor(
+        [sample_token(logits[s], req.sampling, ctx.generators[s]) for s, req in enumerate(shard.requests)]
+    )  # [R] int64, equal on every rank
+    outputs = {
+        req.request_id: RequestOutput(req.request_id, int(sampled[s]), logits[s].cpu() if return_logits else None)
+        for s, req in enumerate(shard.requests)
+        if req.owner_rank == ctx.cp_rank
+    }
+    if model.num_mtp_layers > 0:
+        run_mtp_prefill(ctx, shard, batch, hidden_local, sampled, outputs, return_logits)
+    return outputs
+
+
+def run_mtp_prefill(
+    ctx: PrefillContext,
+    shard: PrefillShard,
+    batch: ForwardBatch,
+    hidden_local: torch.Tensor,
+    sampled: torch.Tensor,
+    outputs: dict[str, RequestOutput],
+    return_logits: bool,
+) -> None:
+    """MTP layer 0 over the same layout: ids t_{i+1}, hidden h_i, positions i; fills the draft of `outputs`.
+
+    `hidden_local` is this rank's shard of the gathered target hidden states: with one layout for target
+    and draft, shard(gather_rerange(...)) returns exactly these rows.
+    """
+    meta, model = shard.meta, ctx.model
+    num_local = meta.per_rank_logical_token[shard.shard_index]
+    request_index_local = meta.request_index_local[shard.shard_index][:num_local]  # [T_logical]
+    next_ids = fill_sampled(shard.next_ids_local, request_index_local, sampled).to(ctx.device)  # [T_logical]
+    mtp_layer_id = model.config.num_hidden_layers
+    share = frozenset({mtp_layer_id}) if model.config.index_share_for_mtp_iteration else frozenset()
+    backend = ctx.backend.bind_shard(batch, meta, ctx.comm, keep_topk_layers=share)
+    mtp_local = model.mtp_forward(next_ids, hidden_local, batch.positions, backend)  # [T_logical, D]
+    mtp_global = gather_rows_global(ctx.comm, meta, mtp_local, "hidden")  # [N, D]
+    draft_logits = model.mtp_logits(mtp_global[last_rows_global(meta).to(ctx.device)])  # [R, vocab]
+    topk_global = topk_positions_global(ctx, batch, meta, backend.kept_topk[mtp_layer_id]) if share else None
+    for s, req in enumerate(shard.requests):
+        out = outputs.get(req.request_id)
+        if out is None:
+            continue
+        out.draft_token_id = int(draft_logits[s].argmax())
+        out.draft_logits = draft_logits[s].cpu() if return_logits else None
+        if topk_global is not None:
+            start, end = meta.stream_offsets[s], meta.stream_offsets[s + 1]
+            out.mtp_topk_positions = topk_global[start:end].cpu()  # [L_s, k]
