@@ -84,19 +84,3 @@ class ModelRunner:
     def release(self, table: PageTable) -> None:
         self.cache.release(table)
 
-
-def greedy_generate(runner: ModelRunner, prompt_ids: list[int], max_tokens: int, stop_ids=()) -> list[int]:
-    """Greedy decoding, one token per step through the paged cache."""
-    table = PageTable()
-    out: list[int] = []
-    try:
-        hidden = runner.extend([ExtendItem(table, list(prompt_ids))])
-        for _ in range(max_tokens):
-            token = int(runner.model.logits(hidden[-1:]).argmax(-1))
-            out.append(token)
-            if token in stop_ids or len(out) == max_tokens:
-                break
-            hidden = runner.extend([ExtendItem(table, [token])])
-    finally:
-        runner.release(table)
-    return out
