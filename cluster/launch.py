@@ -27,18 +27,23 @@ class PlacementTimeout(RuntimeError):
     """The placement group of an engine could not be placed in time."""
 
 
-def start_ray(cp_size: int, address: str | None = None) -> bool:
+def engine_cpus(cp_size: int) -> int:
+    """Logical CPUs one CPU engine occupies: a bundle per worker plus the router actor."""
+    return cp_size + 1
+
+
+def start_ray(min_cpus: int, address: str | None = None) -> bool:
     """Joins the Ray cluster at `address`, or starts a local one; returns True when this call started Ray.
 
-    A local Ray gets at least cp_size + 1 logical CPUs (C workers + the router), so a machine with fewer
-    cores still places the group (the workers then share cores).
+    A local Ray gets at least `min_cpus` logical CPUs (`engine_cpus(C)` per engine it will hold), so a
+    machine with fewer cores still places the groups (the workers then share cores).
     """
     if ray.is_initialized():
         return False
     if address is not None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         return False
-    num_cpus = max(os.cpu_count() or 1, cp_size + 1)
+    num_cpus = max(os.cpu_count() or 1, min_cpus)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     return True
 

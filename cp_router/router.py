@@ -25,6 +25,7 @@ from cp_router.strategies import STRATEGY_INTERLEAVE, can_split, get_strategy
 
 @dataclass
 class PrefillReport:
+    request_ids: list[str]  # batch order
     outputs: dict[str, RequestOutput]  # per request, from its owner
     ranks: list[StepResult]  # one per rank that ran (a single one on the non-CP path)
     wall_s: float
@@ -32,7 +33,9 @@ class PrefillReport:
     per_rank_logical_token: tuple[int, ...]
 
 
-def prefill_shards(requests: tuple[PrefillRequest, ...], prompts: list[list[int]], meta: CPMetadata) -> list[PrefillShard]:
+def prefill_shards(
+    requests: tuple[PrefillRequest, ...], prompts: list[list[int]], meta: CPMetadata
+) -> list[PrefillShard]:
     """Every shard of the batch: each rank's token ids and MTP input ids (left shift + sampled slot)."""
     ids_global = torch.tensor([t for p in prompts for t in p], dtype=torch.long)  # [N]
     next_global = torch.tensor([t for p in prompts for t in p[1:] + [NEXT_ID_SAMPLED]], dtype=torch.long)  # [N]
@@ -80,13 +83,16 @@ class Router:
         shards = prefill_shards(requests, prompts, meta)
         start = time.perf_counter()
         try:
-            results = self._step({r: StepPlan(prefill=shards[i], return_logits=return_logits) for i, r in enumerate(ranks)})
+            plans = {r: StepPlan(prefill=shards[i], return_logits=return_logits) for i, r in enumerate(ranks)}
+            results = self._step(plans)
         except Exception:
             for req in requests:  # the workers freed the batch's pages
                 self.owner_of.pop(req.request_id), self.tokens_of.pop(req.request_id)
             raise
         outputs = {rid: out for r in results for rid, out in r.outputs.items()}
-        return PrefillReport(outputs, results, time.perf_counter() - start, meta.cp_size, meta.per_rank_logical_token)
+        wall_s = time.perf_counter() - start
+        request_ids = [req.request_id for req in requests]
+        return PrefillReport(request_ids, outputs, results, wall_s, meta.cp_size, meta.per_rank_logical_token)
 
     def decode(self, tokens: dict[str, int], return_logits: bool = False) -> dict[str, RequestOutput]:
         """One lockstep decode step: every owner appends its requests' tokens and samples the next ones."""
@@ -94,24 +100,31 @@ class Router:
         for request_id, token_id in tokens.items():
             per_rank.setdefault(self.owner_of[request_id], []).append(DecodeItem(request_id, token_id))
             self.tokens_of[request_id] += 1
-        results = self._step({r: StepPlan(decode=tuple(items), return_logits=return_logits) for r, items in per_rank.items()})
+        plans = {r: StepPlan(decode=tuple(items), return_logits=return_logits) for r, items in per_rank.items()}
+        results = self._step(plans)
         return {rid: out for r in results for rid, out in r.outputs.items()}
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams = SamplingParams(), stop_ids=()
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        stop_ids=(),
+        strategy: str | None = None,
+        impl: str | None = None,
     ) -> list[dict]:
         """Prefill all prompts as one batch, then decode them together until max_tokens or a stop id."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        report = self.prefill(prompts, sampling)
-        request_ids = list(report.outputs)
+        report = self.prefill(prompts, sampling, strategy, impl)
+        request_ids = report.request_ids
         out = {rid: [report.outputs[rid].token_id] for rid in request_ids}
         try:
             active = {rid: toks[-1] for rid, toks in out.items() if toks[-1] not in stop_ids and max_tokens > 1}
             while active:
                 for rid, result in self.decode(active).items():
                     out[rid].append(result.token_id)
-                active = {rid: out[rid][-1] for rid in active if out[rid][-1] not in stop_ids and len(out[rid]) < max_tokens}
+                active = {r: out[r][-1] for r in active if out[r][-1] not in stop_ids and len(out[r]) < max_tokens}
         finally:
             self.release(request_ids)
         return [self._result(out[rid], len(p), stop_ids) for rid, p in zip(request_ids, prompts)]

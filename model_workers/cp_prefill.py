@@ -36,7 +36,9 @@ class PrefillContext:
     device: torch.device
 
 
-def cp_forward_batch(tables: list[PageTable], meta: CPMetadata, shard_index: int, page_size: int, device) -> ForwardBatch:
+def cp_forward_batch(
+    tables: list[PageTable], meta: CPMetadata, shard_index: int, page_size: int, device
+) -> ForwardBatch:
     """Rows: this rank's logical rows. Keys: every request's positions 0..prefix+extend-1 in this rank's cache."""
     num_local = meta.per_rank_logical_token[shard_index]
     request_index_local = meta.request_index_local[shard_index][:num_local]  # [T_logical]
@@ -60,12 +62,14 @@ def last_rows_global(meta: CPMetadata) -> torch.Tensor:
     return torch.tensor(meta.stream_offsets[1:], dtype=torch.long) - 1
 
 
-def fill_sampled(next_ids_local: torch.Tensor, request_index_local: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """MTP input ids [T_logical]: NEXT_ID_SAMPLED rows take their request's sampled token."""
+def fill_sampled(next_ids_local: torch.Tensor, request_index_local: torch.Tensor, sampled: torch.Tensor):
+    """MTP input ids [T_logical]: NEXT_ID_SAMPLED rows take their request's sampled token (sampled [R])."""
     return torch.where(next_ids_local == NEXT_ID_SAMPLED, sampled[request_index_local], next_ids_local)
 
 
-def topk_positions_global(ctx: PrefillContext, batch: ForwardBatch, meta: CPMetadata, topk_slots: torch.Tensor) -> torch.Tensor:
+def topk_positions_global(
+    ctx: PrefillContext, batch: ForwardBatch, meta: CPMetadata, topk_slots: torch.Tensor
+) -> torch.Tensor:
     """Top-k cache slots [T_logical, k] of this rank -> key positions [N, k] in global order (-1 padded).
 
     Positions, unlike slots, mean the same on every rank, so the owner can map them onto its own pages.
