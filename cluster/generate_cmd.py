@@ -7,6 +7,8 @@ import json
 
 import torch
 
+from .cp_args import add_cp_arguments
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -22,6 +24,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cp_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -36,18 +39,23 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from model_workers.generation import LocalGenerator
+    from model_workers.generation import LocalGenerator, resolve_model_dir
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    generator = LocalGenerator.from_checkpoint(args.model, DTYPES[args.dtype], args.device)
-    if args.prompt is not None:
-        prompt_ids = generator.encode(args.prompt)
+    if args.cp_size is not None:
+        from .cp_cmd import run_generate_cp
+
+        result = run_generate_cp(args, resolve_model_dir(args.model))
     else:
-        prompt_ids = parse_prompt_ids(args.prompt_ids)
-    result = generator.generate(prompt_ids, args.max_tokens, args.temperature, args.seed)
+        generator = LocalGenerator.from_checkpoint(args.model, DTYPES[args.dtype], args.device)
+        if args.prompt is not None:
+            prompt_ids = generator.encode(args.prompt)
+        else:
+            prompt_ids = parse_prompt_ids(args.prompt_ids)
+        result = generator.generate(prompt_ids, args.max_tokens, args.temperature, args.seed)
     if args.json:
         print(json.dumps(result))
     else:
