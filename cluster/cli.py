@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_cmd, generate_cmd
+from . import bench_cmd, generate_cmd, train_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsa-serve", description="Serve DeepSeek-Sparse-Attention models.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate_cmd.add_parser(commands)
+    train_cmd.add_parser(commands)
     bench_cmd.add_parser(commands)
     return parser
 

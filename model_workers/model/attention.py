@@ -82,7 +82,9 @@ class MLAttention(nn.Module):
 
         index_q = index_w = index_k = None
         if self.indexer is not None:
-            index_q, index_k, index_w = self.indexer(x, q_resid, cos, sin)
+            # Training (DSA recipe): the indexer learns only from its KL loss, so its inputs are detached.
+            index_in, index_resid = (x.detach(), q_resid.detach()) if self.training else (x, q_resid)
+            index_q, index_k, index_w = self.indexer(index_in, index_resid, cos, sin)
         backend.store_kv(layer_id, latent, index_k)
         if self.indexer is not None:
             topk_ids = backend.select_topk(layer_id, index_q, index_w, self.index_topk)

@@ -1,0 +1,122 @@
+"""Train the tiny default model: BPE over the stdlib, dense warm-up with indexer KL, then sparse top-k training.
+
+`train_tiny(out_dir, minutes=..., steps=...)` writes a loadable checkpoint (config.json, model.safetensors,
+tokenizer files) and returns the training log. With `steps` given, runs are exactly reproducible; with
+only `minutes`, the step count is calibrated to the budget on the first steps and recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..model.config import parse_model_config
+from ..model.decoder import DSAForCausalLM
+from ..model.layers import Router
+from ..saver import init_weights, save_checkpoint
+from .corpus import EOS_TOKEN, save_tokenizer, stdlib_files, token_stream, train_tokenizer
+from .recipe import Recipe, batch_losses, sample_windows, tiny_config_json
+
+CALIBRATION_STEPS = 5  # step 1 pays one-off allocation costs; steps 2..5 time the budget
+
+
+def learning_rate(recipe: Recipe, step: int, total_steps: int) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, total_steps - recipe.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+
+
+class ExpertBalancer:
+    """DeepSeek's auxiliary-loss-free balancing: nudge each router's bias toward under-loaded experts."""
+
+    def __init__(self, model: DSAForCausalLM, rate: float):
+        self.rate, self.counts = rate, {}
+        for router in (m for m in model.modules() if isinstance(m, Router)):
+            router.register_forward_hook(self._record)
+
+    def _record(self, router, _inputs, output) -> None:
+        expert_ids = output[0]
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=router.weight.shape[0]).float()
+        self.counts[router] = self.counts.get(router, 0) + counts
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for router, counts in self.counts.items():
+            router.e_score_correction_bias += self.rate * torch.sign(counts.mean() - counts)
+        self.counts = {}
+
+
+def parameter_groups(model: DSAForCausalLM, weight_decay: float = 0.1) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def held_out_loss(model: DSAForCausalLM, windows: torch.Tensor) -> dict[str, float]:
+    model.eval()
+    losses = [batch_losses(model, w[None], sparse=True) for w in windows]
+    model.train()
+    return {k: float(torch.stack([getattr(x, k) for x in losses]).mean()) for k in ("lm", "mtp", "mtp2")}
+
+
+def train_tiny(out_dir: str | Path, minutes: float = 40.0, steps: int | None = None, recipe: Recipe = Recipe()) -> dict:
+    torch.manual_seed(recipe.seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    corpus = stdlib_files()
+    tokenizer = train_tokenizer(corpus.train, recipe.vocab_size)
+    save_tokenizer(tokenizer, out_dir, max_length=32768)
+    train_stream, held_stream = token_stream(tokenizer, corpus.train), token_stream(tokenizer, corpus.held_out)
+    config_json = tiny_config_json(tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN))
+    model = DSAForCausalLM(parse_model_config(config_json), mtp_layout=[(True, False)])
+    init_weights(model, seed=recipe.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(parameter_groups(model), lr=recipe.lr, betas=(0.9, 0.95))
+    balancer = ExpertBalancer(model, recipe.balance_rate)
+    data_rng = torch.Generator().manual_seed(recipe.seed)
+    eval_windows = sample_windows(held_stream, 8, recipe.seq_len + 3, torch.Generator().manual_seed(7))
+    log = {"recipe": asdict(recipe), "train_tokens_available": train_stream.numel(), "evals": []}
+    total_steps = steps or CALIBRATION_STEPS + 1
+    bar = tqdm(desc="train-tiny", unit="step")
+    started, step, calibration_start = time.monotonic(), 0, None
+    while step < total_steps:
+        sparse = step >= recipe.dense_fraction * total_steps and step >= CALIBRATION_STEPS
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(recipe, step, total_steps)
+        windows = sample_windows(train_stream, recipe.batch_size, recipe.seq_len + 3, data_rng)
+        losses = batch_losses(model, windows, sparse)
+        optimizer.zero_grad(set_to_none=True)
+        losses.total(recipe).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        balancer.update()
+        step += 1
+        if step == 1:
+            calibration_start = time.monotonic()
+        if steps is None and step == CALIBRATION_STEPS:
+            per_step = (time.monotonic() - calibration_start) / (step - 1)
+            remaining = minutes * 60 - (time.monotonic() - started)
+            total_steps = max(step + 1, step + int(remaining * 0.9 / (per_step * 1.03)))  # 3%: held-out evals
+            bar.total = total_steps
+        bar.update(1)
+        bar.set_postfix(lm=f"{losses.lm.item():.3f}", mtp=f"{losses.mtp.item():.3f}", kl=f"{losses.indexer_kl.item():.3f}",
+                        mode="sparse" if sparse else "dense")
+        calibrating = steps is None and step <= CALIBRATION_STEPS
+        if not calibrating and (step % max(1, total_steps // 8) == 0 or step == total_steps):
+            evaluation = {"step": step, "minutes": (time.monotonic() - started) / 60, **held_out_loss(model, eval_windows)}
+            log["evals"].append(evaluation)
+            tqdm.write(f"step {step}/{total_steps} held-out " + " ".join(f"{k}={v:.3f}" for k, v in evaluation.items()))
+    bar.close()
+    log.update(steps=total_steps, minutes=(time.monotonic() - started) / 60,
+               tokens_seen=total_steps * recipe.batch_size * recipe.seq_len)
+    model.eval()
+    save_checkpoint(model, config_json, out_dir, dtype=torch.bfloat16)
+    return log
