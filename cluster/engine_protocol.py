@@ -1,0 +1,107 @@
+"""The seam between the HTTP ingress and the generation engine: request/chunk records and the client protocol.
+
+The ingress validates and tokenizes every request before it builds an `EngineRequest`, so an engine may
+assume: `prompt_token_ids` is non-empty and inside the vocabulary, `len(prompt) + max_tokens <=
+max_model_len`, `0 <= min_tokens <= max_tokens`, `top_k` is 0 (off) or in 1..vocab_size-1, `top_p` in (0, 1],
+`temperature` in [0, 2] (0 = greedy). Records are frozen dataclasses: they pickle across Ray processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence to generate (an HTTP request with n choices or several prompts becomes several)."""
+
+    request_id: str  # unique per engine; also the key of `abort`
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int  # >= 1; the stream ends with finish_reason "length" after this many tokens
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_tokens: int = 0  # EOS, stop ids and stop strings are ignored before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation (finish "stop"); the id is returned
+    stop: tuple[str, ...] = ()  # stop strings, matched on detokenized text; the string itself is not returned
+    ignore_eos: bool = False  # keep generating past the model's EOS token(s)
+    seed: int | None = None  # same seed + same request -> same tokens, whatever else is batched with it
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob + k top alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token, with the most likely alternatives (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), at most EngineRequest.logprobs entries
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """What one engine step produced for one request.
+
+    `token_ids` are the new tokens (several per step under speculative decoding, possibly none on the final
+    chunk), `text` the newly detokenized text ("" when the checkpoint has no tokenizer or the bytes of a
+    character are incomplete), `logprobs` one entry per new token when the request asked for them.
+    The counts are cumulative. Exactly the last chunk of a stream has a `finish_reason`.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress needs to know about the served checkpoint."""
+
+    name: str  # the `model` value clients send, and the id listed by GET /v1/models
+    vocab_size: int
+    max_model_len: int  # context window: prompt + generated tokens
+    has_chat_template: bool  # tokenizer_config.json carries a chat_template
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's bounded queue is full; the ingress answers 503 with `Retry-After: retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """How the ingress talks to the engine replicas (implemented by the Ray Serve app over deployment handles).
+
+    Contract:
+    * `generate(request)` returns an async iterator of `EngineChunk` (write it as an `async def ... yield`
+      method). The last chunk carries the finish reason. It may raise `EngineOverloadedError` on its first
+      `__anext__` when the request cannot be queued; any other exception is an engine failure.
+    * `abort(request_id)` ends that request and frees its KV pages at once; its stream, if still consumed,
+      ends with finish_reason "abort". Aborting an unknown or finished request is a no-op. The ingress calls
+      it for every stream it stops reading before the finish reason (client disconnect, cancellation,
+      another choice of the same HTTP request failing) and then closes the iterator (`aclose` if present).
+    * `model_info()` is cheap and constant for the life of the client.
+    * `metrics_text()` returns the Prometheus text exposition of every engine replica, one `replica` label
+      value per replica (merge them with `cluster.metrics.merge_metrics_text`).
+    * `check_health()` returns when the engine can serve and raises (any exception, with a message saying
+      what is wrong: a dead rank actor, a stuck step loop) otherwise.
+    """
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def model_info(self) -> ModelInfo: ...
+
+    async def metrics_text(self) -> str: ...
+
+    async def check_health(self) -> None: ...

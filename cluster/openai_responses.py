@@ -1,0 +1,140 @@
+"""OpenAI-compatible response objects: completions, chat completions, their SSE chunks, and the model list.
+
+Streamed completion chunks use the same `text_completion` object as whole responses (as OpenAI does); chat
+chunks are `chat.completion.chunk` objects carrying a `delta`. `usage` is present in a stream only when
+`stream_options.include_usage` is set: null on every chunk, then one final chunk with empty choices.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+OpenAIFinishReason = Literal["stop", "length"]
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (with `finish_reason` None and a text delta) one streamed chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dsa-serve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+StreamChunk = CompletionResponse | ChatCompletionChunk
+
+
+def sse_data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_event(chunk: StreamChunk, include_usage: bool) -> str:
+    """One `data: {...}` event; `usage` appears only when asked for, chat deltas carry only their set keys."""
+    payload = chunk.model_dump(exclude=None if include_usage else {"usage"})
+    for choice in payload["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
+    return sse_data(payload)

@@ -1,0 +1,48 @@
+"""Settings of the Serve application: the ingress (`IngressSettings`) and the app builder's args (`ServeAppArgs`).
+
+`ServeAppArgs` is the schema of `args:` in deploy/serve_config.yaml and in the RayService's serveConfigV2:
+the Ray Serve app builder (`cluster.serve_app:app`) validates its args with it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from .config import CPImplName, CPStrategyName
+
+API_KEY_ENV = "DSA_SERVE_API_KEY"
+
+
+class IngressSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: str | None = None  # tokenizer.json / tokenizer_config.json; None: token-id prompts only
+    api_key: SecretStr | None = None  # None: read DSA_SERVE_API_KEY; neither set: no authentication
+    max_ongoing_requests: int = Field(256, ge=1)  # HTTP generation requests in flight; beyond: 429
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies: 413
+    retry_after_s: int = Field(1, ge=1)  # the Retry-After of a 429
+    metrics_replica: str = Field("ingress", min_length=1)  # `replica` label of the ingress's own metrics
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value() or None
+        return os.environ.get(API_KEY_ENV) or None
+
+
+class ServeAppArgs(BaseModel):
+    """What `serve run deploy/serve_config.yaml` passes to the app builder (CLI flags of `dsa-serve serve`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = None  # checkpoint folder; None: the embedded default model
+    cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
+    cp_strategy: CPStrategyName = "zigzag"
+    cp_impl: CPImplName = "auto"
+    speculative_num_steps: int = Field(0, ge=0, le=4)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    ingress: IngressSettings = IngressSettings()
