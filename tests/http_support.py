@@ -18,7 +18,7 @@ VOCAB_SIZE = 64
 MAX_MODEL_LEN = 32
 FIRST_GENERATED_ID = len(WORDS)  # the fake engine generates only w<id> words
 KV_PAGES = 16
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}assistant :{% endif %}")
 INFO = ModelInfo(name="tiny-dsa", vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, has_chat_template=True)
 
