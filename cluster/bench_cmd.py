@@ -59,6 +59,7 @@ def measure(engine, prompts: list[list[int]], cp, repeats: int, warmup: int) -> 
         "wall_s": statistics.median(r.wall_s for r in reports),
         "per_rank_compute_s": compute,
         "per_rank_comm_s": [statistics.median(run[k].comm_s for run in ranks) for k in range(len(compute))],
+        "per_rank_cpu_s": [statistics.median(run[k].cpu_s for run in ranks) for k in range(len(compute))],
         "compute_imbalance_max_over_mean": max(compute) / statistics.mean(compute),
         "per_rank_logical_token": list(reports[0].per_rank_logical_token),
         "kv_comm_bytes_per_rank": [x.kv_comm_bytes for x in ranks[0]],

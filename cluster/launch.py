@@ -33,14 +33,15 @@ def engine_cpus(cp_size: int) -> int:
 
 
 def start_ray(min_cpus: int, address: str | None = None) -> bool:
-    """Joins the Ray cluster at `address`, or starts a local one; returns True when this call started Ray.
+    """Joins the Ray cluster at `address` (or $RAY_ADDRESS), else starts a local one; True when it started Ray.
 
     A local Ray gets at least `min_cpus` logical CPUs (`engine_cpus(C)` per engine it will hold), so a
     machine with fewer cores still places the groups (the workers then share cores).
     """
     if ray.is_initialized():
         return False
-    if address is not None:
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         return False
     num_cpus = max(os.cpu_count() or 1, min_cpus)

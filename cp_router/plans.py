@@ -81,6 +81,7 @@ class StepResult:
     cp_rank: int
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
     compute_s: float = 0.0  # step wall time minus time inside collectives
+    cpu_s: float = 0.0  # CPU time of the worker process during the step (robust to other load on the host)
     comm_s: float = 0.0
     comm_bytes: int = 0  # bytes received from other ranks by all collectives of the step
     kv_comm_bytes: int = 0  # part of comm_bytes moved by the per-layer KV / indexer-key gathers

@@ -66,7 +66,7 @@ class CPWorker:
 
     def step(self, plan: StepPlan) -> StepResult:
         """Runs this rank's prefill shard (if any), then its decode batch; reports outputs of owned requests."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         result = StepResult(cp_rank=self.cp_rank)
         if plan.prefill is not None:
             result.outputs.update(self._prefill(plan.prefill, plan.return_logits))
@@ -76,7 +76,7 @@ class CPWorker:
         stats = self.comm.reset_stats()
         result.comm_s, result.num_collectives = stats.seconds, stats.calls
         result.comm_bytes, result.kv_comm_bytes = stats.total_bytes, stats.bytes_by_tag.get("kv", 0)
-        result.compute_s = wall_s - stats.seconds
+        result.compute_s, result.cpu_s = wall_s - stats.seconds, time.process_time() - cpu_start
         return result
 
     def free(self, request_ids: list[str]) -> None:
