@@ -71,8 +71,8 @@ async def _pump(engine: EngineClient, choice: PlannedChoice, queue: asyncio.Queu
     except Exception as exc:  # noqa: BLE001 - handed to the consumer, which answers with an error body
         queue.put_nowait((choice.index, exc))
     finally:
-        if not finished:
-            await engine.abort(choice.request.request_id)
+        if not finished:  # shielded: a second cancellation must not leave the request running in the engine
+            await asyncio.shield(engine.abort(choice.request.request_id))
         await _close(stream)
         queue.put_nowait((choice.index, None))
 

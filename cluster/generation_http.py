@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -78,6 +79,8 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # the stream had started: nobody is left to answer (the body records it)
+            pass
         finally:
             await self.body_iterator.aclose()
 
@@ -85,21 +88,26 @@ class SSEResponse(StreamingResponse):
 async def _sse_body(events: Events, first: tuple[int, EngineChunk] | None, encoder: PromptEncoder,
                     generation: Generation, include_usage: bool, scope: Scope) -> AsyncIterator[str]:
     states = generation.new_states()
+    ended = False  # stays False when the client leaves (the generator is closed or cancelled mid-stream)
     try:
         item = first
         while item is not None:
             index, chunk = item
             yield sse_event(generation.formatter.chunk(index, states[index].apply(chunk, encoder)), include_usage)
             item = await anext(events, None)
+        ended = True
         if include_usage:
             yield sse_event(generation.formatter.usage_chunk(generation.usage(states)), include_usage)
     except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes into the stream
+        ended = True
         err = to_api_error(exc)
         if err.status >= 500:
             logger.error("stream %s failed", generation.request_id, exc_info=exc)
         mark_error(scope, err.metric_label)
         yield sse_data(err.body())
     finally:
+        if not ended:
+            mark_error(scope, "client_disconnected")
         await events.aclose()
         _record_outcome(scope, generation, states)
     yield SSE_DONE

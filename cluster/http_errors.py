@@ -107,7 +107,8 @@ def _field_path(loc: Iterable[Any]) -> str | None:
 def _error_line(error: Mapping[str, Any], allowed_fields: Iterable[str]) -> str:
     field = _field_path(error["loc"]) or "request body"
     if error["type"] == "extra_forbidden":
-        return f"{field}: unknown field; allowed fields: {', '.join(allowed_fields)}"
+        allowed = ", ".join(allowed_fields)
+        return f"{field}: unknown field" + (f"; allowed fields: {allowed}" if allowed else "")
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "missing" or isinstance(error.get("input"), (dict, list)):
         return f"{field}: {message}"
@@ -131,8 +132,8 @@ async def _request_validation(request: Request, exc: RequestValidationError) -> 
 
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; routes: /v1/completions, " \
-                  "/v1/chat/completions, /v1/models, /health, /metrics"
+        routes = ", ".join(sorted({getattr(route, "path", "") for route in request.app.routes} - {""}))
+        message = f"no route {request.method} {request.url.path}; routes: {routes}"
     elif exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:
@@ -183,7 +184,8 @@ class CatchAllMiddleware:
 
     @staticmethod
     async def _answer(exc: Exception, started: bool, scope: Scope, receive: Receive, send: Send) -> None:
-        if isinstance(exc, ClientDisconnect):
+        # ASGI spec 2.4 servers raise OSError from `send` once the client is gone.
+        if started and isinstance(exc, OSError):
             mark_error(scope, "client_disconnected")
             return
         logger.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)

@@ -17,6 +17,14 @@ access_logger = logging.getLogger("dsa_serve.access")
 LOGGED_STATE_FIELDS = ("request_id", "prompt_tokens", "completion_tokens", "finish", "error", "user")
 
 
+def route_path(scope: Scope) -> str:
+    """The path without the app's mount prefix (Ray Serve passes route_prefix as root_path)."""
+    path, root_path = scope.get("path", ""), scope.get("root_path", "")
+    if root_path and path.startswith(root_path + "/"):
+        return path[len(root_path):]
+    return path
+
+
 class AccessLogMiddleware:
     """Logs one INFO line per HTTP request when its response is complete; counts its error, if any."""
 
@@ -58,7 +66,7 @@ class ConcurrencyLimitMiddleware:
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in self.paths:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:

@@ -98,6 +98,9 @@ class Ingress:
 
 
 def _open_ingress(engine_client: EngineClient, settings: IngressSettings) -> Ingress:
+    if not isinstance(engine_client, EngineClient):
+        raise TypeError(f"engine_client: {type(engine_client).__name__} lacks EngineClient methods (generate, abort, "
+                        "model_info, metrics_text, check_health)")
     info = engine_client.model_info()
     encoder = PromptEncoder.from_model_dir(settings.model_dir)
     if info.has_chat_template and encoder.chat_template is None:

@@ -141,9 +141,9 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _at_most_max_choices(cls, value: Any, info: ValidationInfo) -> Any:
-        count = 1 if isinstance(value, str) or _is_token_id(value[0]) else len(value)
-        if count * info.data.get("n", 1) > MAX_CHOICES:
-            raise ValueError(f"{count} prompts x n={info.data['n']} exceeds {MAX_CHOICES} choices per request")
+        count, n = (1 if isinstance(value, str) or _is_token_id(value[0]) else len(value)), info.data.get("n", 1)
+        if count * n > MAX_CHOICES:
+            raise ValueError(f"{count} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
         return value
 
     @field_validator("echo")

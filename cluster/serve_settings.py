@@ -27,9 +27,9 @@ class IngressSettings(BaseModel):
     metrics_replica: str = Field("ingress", min_length=1)  # `replica` label of the ingress's own metrics
 
     def resolved_api_key(self) -> str | None:
-        if self.api_key is not None:
-            return self.api_key.get_secret_value() or None
-        return os.environ.get(API_KEY_ENV) or None
+        """The configured key, else env DSA_SERVE_API_KEY, else None (no authentication)."""
+        configured = self.api_key.get_secret_value() if self.api_key is not None else ""
+        return configured or os.environ.get(API_KEY_ENV) or None
 
 
 class ServeAppArgs(BaseModel):

@@ -88,7 +88,8 @@ class FakeEngine:
                 token = fake_token(request, step)
                 finish = "stop" if token in request.stop_token_ids else None
                 finish = "length" if finish is None and step + 1 == request.max_tokens else finish
-                yield EngineChunk((token,), f" w{token}", finish, prompt_tokens, step + 1, self._logprobs(request, token))
+                logprobs = self._logprobs(request, token)
+                yield EngineChunk((token,), f" w{token}", finish, prompt_tokens, step + 1, logprobs)
                 if finish:
                     return
                 await asyncio.sleep(0)

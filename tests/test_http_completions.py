@@ -110,7 +110,8 @@ def test_stream_chunks_usage_and_done(served):
 
 def test_chat_completion_and_stream(served):
     engine, client = served
-    messages = [{"role": "system", "content": "hello"}, {"role": "user", "content": [{"type": "text", "text": "world"}]}]
+    parts = [{"type": "text", "text": "world"}]
+    messages = [{"role": "system", "content": "hello"}, {"role": "user", "content": parts}]
     body = client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True, "top_logprobs": 1}).json()
     (request,) = engine.requests
     assert request.prompt_token_ids[0] == 1  # the template's bos_token

@@ -176,3 +176,11 @@ def test_the_server_keeps_serving_after_the_matrix(served):
     metrics = client.get("/metrics").text
     assert 'dsa_serve:request_errors_total{error_type="context_length_exceeded",replica="ingress"}' in metrics
     assert 'dsa_serve:request_errors_total{error_type="invalid_api_key",replica="ingress"}' in metrics
+
+
+def test_api_key_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSA_SERVE_API_KEY", "sk-env")
+    client = TestClient(build_app(FakeEngine(), IngressSettings(model_dir=str(write_checkpoint_files(tmp_path)))))
+    assert_error_body(client.get("/v1/models"), 401, code="invalid_api_key")
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sk-env"}).status_code == 200
+    assert client.get("/health").status_code == 200  # probes need no key

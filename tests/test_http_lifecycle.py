@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from http_support import INFO, FakeEngine, call_and_disconnect, write_checkpoint_files
 
+from cluster.http_middleware import route_path
 from cluster.ingress import build_app
 from cluster.serve_settings import IngressSettings
 
@@ -28,27 +29,32 @@ def app_over(engine: FakeEngine, checkpoint, **settings):
     return build_app(engine, IngressSettings(model_dir=str(checkpoint), **settings))
 
 
-def status_of(messages: list[dict]) -> int:
-    return next(m["status"] for m in messages if m["type"] == "http.response.start")
+def statuses(messages: list[dict]) -> list[int]:
+    return [m["status"] for m in messages if m["type"] == "http.response.start"]
 
 
-def test_disconnect_before_the_answer_aborts_the_request(checkpoint):
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_disconnect_before_the_answer_aborts_the_request(checkpoint, spec_version):
     engine = FakeEngine(pause_after=0)
     app = app_over(engine, checkpoint)
-    messages = asyncio.run(call_and_disconnect(app, "/v1/completions", {"prompt": "hello", "n": 2}, 0))
-    assert status_of(messages) == 499
+    messages = asyncio.run(call_and_disconnect(app, "/v1/completions", {"prompt": "hello", "n": 2}, 0, spec_version))
+    assert statuses(messages) == ([499] if spec_version == "2.3" else [])  # 2.4: sending to a gone client fails
     assert sorted(engine.aborted) == sorted(request.request_id for request in engine.requests)
     assert len(engine.aborted) == 2 and engine.active == {}
     assert KV_IDLE in TestClient(app).get("/metrics").text
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
-def test_disconnect_mid_stream_aborts_the_request(checkpoint, spec_version):
+def test_disconnect_mid_stream_aborts_the_request(checkpoint, spec_version, caplog):
     engine = FakeEngine(pause_after=2)
     app = app_over(engine, checkpoint)
     payload = {"prompt": "hello", "max_tokens": 8, "stream": True}
-    messages = asyncio.run(call_and_disconnect(app, "/v1/completions", payload, 1, spec_version))
-    assert status_of(messages) == 200
+    with caplog.at_level(logging.INFO):
+        messages = asyncio.run(call_and_disconnect(app, "/v1/completions", payload, 1, spec_version))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    (access,) = [r.getMessage() for r in caplog.records if r.name == "dsa_serve.access"]
+    assert "error=client_disconnected" in access
+    assert statuses(messages) == [200]
     assert engine.aborted == [engine.requests[0].request_id] and engine.active == {}
     metrics = TestClient(app).get("/metrics").text
     assert KV_IDLE in metrics
@@ -153,3 +159,14 @@ def test_one_access_log_line_per_request(checkpoint, caplog):
     assert "request_id=cmpl-" in first and "user='alice'" in first
     assert " 400 " in second and "error=invalid_request_error" in second
 
+
+
+def test_limited_routes_are_recognised_under_a_route_prefix():
+    assert route_path({"path": "/dsa/v1/completions", "root_path": "/dsa"}) == "/v1/completions"
+    assert route_path({"path": "/v1/completions", "root_path": ""}) == "/v1/completions"
+    assert route_path({"path": "/dsaX/v1/completions", "root_path": "/dsa"}) == "/dsaX/v1/completions"
+
+
+def test_build_app_rejects_an_object_that_is_not_an_engine_client():
+    with pytest.raises(TypeError, match="engine_client"):
+        build_app(object(), IngressSettings())
