@@ -85,9 +85,11 @@ class Router:
         try:
             plans = {r: StepPlan(prefill=shards[i], return_logits=return_logits) for i, r in enumerate(ranks)}
             results = self._step(plans)
-        except Exception:
-            for req in requests:  # the workers freed the batch's pages
-                self.owner_of.pop(req.request_id), self.tokens_of.pop(req.request_id)
+        except Exception:  # ray.get returned only after every rank finished: free whatever a rank still holds
+            request_ids = [req.request_id for req in requests]
+            ray.get([self.workers[r].free.remote(request_ids) for r in ranks])
+            for request_id in request_ids:
+                self.owner_of.pop(request_id), self.tokens_of.pop(request_id)
             raise
         outputs = {rid: out for r in results for rid, out in r.outputs.items()}
         wall_s = time.perf_counter() - start
