@@ -18,12 +18,34 @@ NEXT_ID_SAMPLED = -1  # in `next_ids_local`: "the token the target samples for t
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request picks its tokens (the one definition; the engine and the workers share it)."""
+
     temperature: float = 0.0  # 0 = greedy
-    seed: int = 0  # seeds the request's generator: same seed, same tokens, on every rank
+    seed: int = 0  # the request's counter-based random stream: same seed, same tokens, whatever the batch
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_tokens: int = 0  # EOS and stop ids are blocked before this many generated tokens
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k top alternatives
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        checks = [
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "None or >= 0"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +55,8 @@ class PrefillRequest:
     request_id: str
     owner_rank: int  # cp_rank that keeps this request's KV and decodes it
     sampling: SamplingParams = SamplingParams()
+    final_chunk: bool = True  # False: more prompt chunks follow, every rank of the batch keeps the pages
+    num_generated: int = 0  # prompt tail that is output recomputed after preemption (RNG index, min_tokens)
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,8 @@ class PrefillShard:
 class DecodeItem:
     request_id: str
     token_id: int  # appended at the request's next position; the step samples the token after it
+    num_generated: int = 0  # output tokens so far, `token_id` included (RNG index, min_tokens)
+    max_new: int = 1  # tokens the request may still emit (it ends there); a stop id / EOS ends it earlier
 
 
 @dataclass(frozen=True)
@@ -62,6 +88,9 @@ class StepPlan:
     prefill: PrefillShard | None = None
     decode: tuple[DecodeItem, ...] = ()
     return_logits: bool = False  # ship full-vocabulary logits back (tests, debugging)
+    free: tuple[str, ...] = ()  # requests whose pages this rank drops before anything else (abort, preempt)
+    num_steps: int = 1  # decode steps run inside this one call (the router saves Ray round trips)
+    num_speculative_steps: int = 0  # k MTP draft tokens verified per decode step (0: plain decode)
 
 
 @dataclass
@@ -74,6 +103,10 @@ class RequestOutput:
     draft_token_id: int | None = None  # MTP greedy draft for the token after `token_id` (prefill only)
     draft_logits: torch.Tensor | None = None  # [vocab] float32, when the plan asked for them
     mtp_topk_positions: torch.Tensor | None = None  # [L_extend, k] int64 key positions, -1 padded (index sharing)
+    token_ids: list[int] = field(default_factory=list)  # every token emitted this call, `token_id` last
+    logprobs: list[tuple] = field(default_factory=list)  # per emitted token (id, logprob, ((id, logprob), ...))
+    drafted: int = 0  # draft tokens proposed this call
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] accepted drafts at draft position j
 
 
 @dataclass
@@ -86,3 +119,4 @@ class StepResult:
     comm_bytes: int = 0  # bytes received from other ranks by all collectives of the step
     kv_comm_bytes: int = 0  # part of comm_bytes moved by the per-layer KV / indexer-key gathers
     num_collectives: int = 0
+    free_pages: int = 0  # the rank's free KV pages after the step

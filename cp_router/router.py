@@ -17,9 +17,9 @@ import torch
 
 from cp_router.metadata import CPMetadata, build_cp_metadata
 from cp_router.padding import CP_IMPLS, IMPL_LEGACY
-from cp_router.plans import NEXT_ID_SAMPLED, DecodeItem, PrefillRequest, PrefillShard, RequestOutput, SamplingParams
+from cp_router.plans import DecodeItem, PrefillRequest, PrefillShard, RequestOutput, SamplingParams
 from cp_router.plans import StepPlan, StepResult
-from cp_router.sharding import shard
+from cp_router.prefill_batch import prefill_shards
 from cp_router.strategies import STRATEGY_INTERLEAVE, can_split, get_strategy
 
 
@@ -31,21 +31,6 @@ class PrefillReport:
     wall_s: float
     cp_size_used: int  # meta.cp_size: 1 on the non-CP path
     per_rank_logical_token: tuple[int, ...]
-
-
-def prefill_shards(
-    requests: tuple[PrefillRequest, ...], prompts: list[list[int]], meta: CPMetadata
-) -> list[PrefillShard]:
-    """Every shard of the batch: each rank's token ids and MTP input ids (left shift + sampled slot)."""
-    ids_global = torch.tensor([t for p in prompts for t in p], dtype=torch.long)  # [N]
-    next_global = torch.tensor([t for p in prompts for t in p[1:] + [NEXT_ID_SAMPLED]], dtype=torch.long)  # [N]
-    shards = []
-    for shard_index in range(meta.cp_size):
-        num_local = meta.per_rank_logical_token[shard_index]
-        ids_local = shard(meta, ids_global, shard_index)[:num_local]  # [T_logical]
-        next_local = shard(meta, next_global, shard_index)[:num_local]  # [T_logical]
-        shards.append(PrefillShard(requests, meta, shard_index, ids_local, next_local))
-    return shards
 
 
 class Router:

@@ -7,7 +7,7 @@ the non-CP path (one rank, no collectives, no padding).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +18,7 @@ from .comm import LocalComm
 from .cp_backend import CPBackend, gather_rows_global
 from .kv_cache import PageTable
 from .model.decoder import DSAForCausalLM
-from .sampler import sample_token
+from .sampler import sample, token_logprob
 from .torch_backend import ForwardBatch
 
 
@@ -31,9 +31,9 @@ class PrefillContext:
     comm: LocalComm
     cp_rank: int  # the worker's rank: it reports the requests it owns
     tables: list[PageTable]  # per request of the batch, this rank's pages (reserved for prefix + extend)
-    generators: list[torch.Generator]  # per request, seeded alike on every rank
     page_size: int
     device: torch.device
+    draft_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # owned: MTP output at the last row [D]
 
 
 def cp_forward_batch(
@@ -92,14 +92,18 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -
     hidden_global = gather_rows_global(ctx.comm, meta, hidden_local, "hidden")  # [N, D]
     last_rows = last_rows_global(meta).to(ctx.device)  # [R]
     logits = model.logits(hidden_global[last_rows])  # [R, vocab] float32
+    eos_ids = model.config.eos_token_ids
     sampled = torch.tensor(
-        [sample_token(logits[s], req.sampling, ctx.generators[s]) for s, req in enumerate(shard.requests)]
-    )  # [R] int64, equal on every rank
-    outputs = {
-        req.request_id: RequestOutput(req.request_id, int(sampled[s]), logits[s].cpu() if return_logits else None)
-        for s, req in enumerate(shard.requests)
-        if req.owner_rank == ctx.cp_rank
-    }
+        [sample(logits[s], req.sampling, eos_ids, req.num_generated) for s, req in enumerate(shard.requests)]
+    )  # [R] int64, equal on every rank (counter-based randomness)
+    outputs = {}
+    for s, req in enumerate(shard.requests):
+        if req.owner_rank == ctx.cp_rank:
+            token = int(sampled[s])
+            out = RequestOutput(req.request_id, token, logits[s].cpu() if return_logits else None, token_ids=[token])
+            if req.sampling.logprobs is not None:
+                out.logprobs = [token_logprob(logits[s], token, req.sampling.logprobs)]
+            outputs[req.request_id] = out
     if model.num_mtp_layers > 0:
         run_mtp_prefill(ctx, shard, batch, hidden_local, sampled, outputs, return_logits)
     return outputs
@@ -135,6 +139,7 @@ def run_mtp_prefill(
         if out is None:
             continue
         out.draft_token_id = int(draft_logits[s].argmax())
+        ctx.draft_hidden[req.request_id] = mtp_global[meta.stream_offsets[s + 1] - 1]  # [D]
         out.draft_logits = draft_logits[s].cpu() if return_logits else None
         if topk_global is not None:
             start, end = meta.stream_offsets[s], meta.stream_offsets[s + 1]

@@ -9,28 +9,19 @@ them (target and MTP KV) and decodes it alone, with no collectives.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
 
-from cp_router.plans import DecodeItem, PrefillShard, RequestOutput, SamplingParams, StepPlan, StepResult
+from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
 
 from .comm import LocalComm, ProcessGroupComm, free_port
 from .cp_backend import CPBackend
 from .cp_prefill import PrefillContext, run_prefill
 from .kv_cache import OutOfPages, PageTable
 from .loader import load_model
-from .runner import ExtendItem, ModelRunner
-from .sampler import request_generator, sample_token
+from .decode_loop import DecodeState, HeldRequest, run_decode
+from .runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class HeldRequest:
-    table: PageTable
-    sampling: SamplingParams
-    generator: torch.Generator | None = None  # seeded at prefill
 
 
 class CPWorker:
@@ -68,15 +59,17 @@ class CPWorker:
         """Runs this rank's prefill shard (if any), then its decode batch; reports outputs of owned requests."""
         start, cpu_start = time.perf_counter(), time.process_time()
         result = StepResult(cp_rank=self.cp_rank)
+        self.free(list(plan.free))
         if plan.prefill is not None:
             result.outputs.update(self._prefill(plan.prefill, plan.return_logits))
         if plan.decode:
-            result.outputs.update(self._decode(plan.decode, plan.return_logits))
+            result.outputs.update(self._decode(plan))
         wall_s = time.perf_counter() - start
         stats = self.comm.reset_stats()
         result.comm_s, result.num_collectives = stats.seconds, stats.calls
         result.comm_bytes, result.kv_comm_bytes = stats.total_bytes, stats.bytes_by_tag.get("kv", 0)
         result.compute_s, result.cpu_s = wall_s - stats.seconds, time.process_time() - cpu_start
+        result.free_pages = self.runner.cache.allocator.num_free
         return result
 
     def free(self, request_ids: list[str]) -> None:
@@ -109,19 +102,15 @@ class CPWorker:
     def _prefill(self, shard: PrefillShard, return_logits: bool) -> dict[str, RequestOutput]:
         comm = self.comm if shard.meta.cp_size > 1 else LocalComm()
         tables = self._reserve_everywhere(shard, comm)
-        generators = []
-        for req in shard.requests:
-            self.held[req.request_id].generator = request_generator(req.sampling)
-            generators.append(self.held[req.request_id].generator)
-        ctx = PrefillContext(
-            self.runner.model, self.backend, comm, self.cp_rank, tables, generators, self.runner.page_size, self.device
-        )
+        ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size, self.device)
         try:
             outputs = run_prefill(ctx, shard, return_logits)
         except Exception:
             self.free([req.request_id for req in shard.requests])
             raise
-        self.free([req.request_id for req in shard.requests if req.owner_rank != self.cp_rank])
+        self.free([req.request_id for req in shard.requests if req.owner_rank != self.cp_rank and req.final_chunk])
+        for request_id, hidden in ctx.draft_hidden.items():
+            self.held[request_id].draft_hidden = hidden
         return outputs
 
     def _reserve_everywhere(self, shard: PrefillShard, comm: LocalComm) -> list[PageTable]:
@@ -162,13 +151,10 @@ class CPWorker:
         return [self.held[req.request_id].table for req in shard.requests]
 
     @torch.inference_mode()
-    def _decode(self, items: tuple[DecodeItem, ...], return_logits: bool) -> dict[str, RequestOutput]:
-        """One token per owned request through the paged cache (no collectives)."""
-        held = [self.held[item.request_id] for item in items]
-        hidden = self.runner.extend([ExtendItem(h.table, [item.token_id]) for h, item in zip(held, items)])  # [B, D]
-        logits = self.runner.model.logits(hidden)  # [B, vocab] float32
-        outputs = {}
-        for b, (item, h) in enumerate(zip(items, held)):
-            token = sample_token(logits[b], h.sampling, h.generator)
-            outputs[item.request_id] = RequestOutput(item.request_id, token, logits[b].cpu() if return_logits else None)
-        return outputs
+    def _decode(self, plan: StepPlan) -> dict[str, RequestOutput]:
+        """Owned requests only, no collectives: `plan.num_steps` plain or speculative decode steps."""
+        states = [
+            DecodeState(item.request_id, self.held[item.request_id], item.token_id, item.num_generated, item.max_new)
+            for item in plan.decode
+        ]
+        return run_decode(self.runner, states, plan.num_steps, plan.num_speculative_steps, plan.return_logits)

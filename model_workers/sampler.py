@@ -1,20 +1,129 @@
-"""Per-request token sampling from float32 logits: greedy at temperature 0, else one seeded draw."""
+"""Per-request sampling and speculative verification from float32 logits.
+
+Randomness is counter-based: the uniform used for a request's output token number `index` is a pure
+function of (seed, index, slot), so the same seed gives the same tokens whatever else shares the batch,
+on whichever rank samples, and after a preemption recomputes the request. Slots separate the uses of one
+position: the draft's own draw, the accept test and the target draw (residual or bonus).
+
+Speculative sampling (Leviathan et al.): draft token d ~ q is accepted with probability min(1, p(d)/q(d));
+on rejection the token comes from normalize(max(0, p - q)); after k accepted drafts a bonus token from p.
+Greedy verification is the same rule with one-hot p and q: the longest matching prefix plus one token.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from cp_router.plans import SamplingParams
 
-
-def request_generator(params: SamplingParams) -> torch.Generator:
-    """The request's RNG; every rank seeds it alike, so all ranks draw the same token from the same logits."""
-    return torch.Generator().manual_seed(params.seed)
+SLOT_DRAFT, SLOT_ACCEPT, SLOT_TARGET = 0, 1, 2
+_MASK64 = (1 << 64) - 1
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits [vocab] float32 -> token id."""
-    if params.temperature == 0:
+def uniform(seed: int, index: int, slot: int) -> float:
+    """A uniform in [0, 1) from (seed, index, slot) by splitmix64 (stateless, identical on every process)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + slot * 0x94D049BB133111EB + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+def blocked_ids(params: SamplingParams, eos_ids: tuple[int, ...], index: int) -> list[int]:
+    """Tokens that may not be output number `index`: stop ids and EOS before min_tokens."""
+    if index >= params.min_tokens:
+        return []
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int]) -> torch.Tensor:
+    """logits [V] -> the distribution tokens are drawn from [V] float32 (one-hot when greedy)."""
+    logits = logits.float()
+    if blocked:
+        logits = logits.clone()
+        logits[blocked] = float("-inf")
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)  # [V]
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from probs [V] (need not sum to 1) with the uniform u in [0, 1)."""
+    cdf = probs.double().cumsum(-1)  # [V]
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    index = min(index, probs.shape[-1] - 1)
+    while probs[index] <= 0 and index > 0:  # a plateau of the cdf: step back onto a token with mass
+        index -= 1
+    return index
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int) -> int:
+    """Output token number `index` from logits [V]."""
+    blocked = blocked_ids(params, eos_ids, index)
+    if params.greedy and not blocked:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)  # [vocab]
-    return int(torch.multinomial(probs, 1, generator=generator))
+    probs = target_probs(logits, params, blocked)
+    return int(probs.argmax()) if params.greedy else draw(probs, uniform(params.seed, index, SLOT_TARGET))
+
+
+def draft_token(
+    draft_logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int
+) -> tuple[int, torch.Tensor | None]:
+    """The draft's proposal for output `index`: (token, q [V]); q is None when greedy (argmax, no q needed)."""
+    if params.greedy:
+        return int(draft_logits.argmax()), None
+    q = target_probs(draft_logits, params, blocked_ids(params, eos_ids, index))
+    return draw(q, uniform(params.seed, index, SLOT_DRAFT)), q
+
+
+def verify(
+    target_logits: torch.Tensor,
+    drafts: list[int],
+    draft_probs: list[torch.Tensor | None],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    index: int,
+) -> tuple[int, list[int]]:
+    """target_logits [k+1, V] at the verified positions -> (accepted drafts m, the m + 1 output tokens).
+
+    Row j scores output number index + j; drafts[j] was proposed for it with distribution draft_probs[j].
+    """
+    tokens = []
+    for j, (draft, q) in enumerate(zip(drafts, draft_probs)):
+        blocked = blocked_ids(params, eos_ids, index + j)
+        if params.greedy:
+            target = sample(target_logits[j], params, eos_ids, index + j)
+            if target != draft:
+                return j, tokens + [target]
+            tokens.append(draft)
+            continue
+        p = target_probs(target_logits[j], params, blocked)  # [V]
+        if uniform(params.seed, index + j, SLOT_ACCEPT) * float(q[draft]) < float(p[draft]):
+            tokens.append(draft)
+            continue
+        residual = (p - q).clamp_min(0.0)  # [V]
+        residual = residual if float(residual.sum()) > 0 else p
+        return j, tokens + [draw(residual, uniform(params.seed, index + j, SLOT_TARGET))]
+    k = len(drafts)
+    return k, tokens + [sample(target_logits[k], params, eos_ids, index + k)]
+
+
+def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> tuple[int, float, tuple]:
+    """(token, its logprob under the model, the num_top most likely (id, logprob)) from raw logits [V]."""
+    logprobs = logits.float().log_softmax(-1)  # [V]
+    top = logprobs.topk(num_top) if num_top > 0 else None
+    alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+    value = float(logprobs[token])
+    return token, (value if math.isfinite(value) else -1e30), alternatives

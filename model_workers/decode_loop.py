@@ -1,0 +1,144 @@
+"""Decode on the owner rank: plain steps, or MTP chain drafts verified by one target forward (no collectives).
+
+Cache positions of a request that has emitted t_n (not yet cached): the target holds t_0..t_{n-1} at
+positions 0..n-1; the MTP layer holds positions 0..n-1 too (position i took t_{i+1} and the target hidden
+h_i) and `draft_hidden` is its output at position n-1, which predicts t_{n+1}. One speculative step:
+1. draft: k tokens, the MTP layer fed its own output hidden (positions n, n+1, ... hold temporary KV);
+2. verify: the target extends [t_n, d_1..d_k] at positions n..n+k, one forward; m drafts are accepted and
+   one more token comes from the target (correction or bonus);
+3. roll back both caches to n + m + 1 positions and draft-extend the MTP layer over positions n..n+m with
+   the accepted tokens and their target hidden states (overwriting the temporary draft KV).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cp_router.plans import RequestOutput, SamplingParams
+
+from .kv_cache import PageTable
+from .runner import ExtendItem, ModelRunner
+from .sampler import draft_token, sample, token_logprob, verify
+
+
+@dataclass
+class HeldRequest:
+    table: PageTable
+    sampling: SamplingParams
+    draft_hidden: torch.Tensor | None = None  # [D] MTP output at the last cached position
+
+
+@dataclass
+class DecodeState:
+    """One request during one worker call."""
+
+    request_id: str
+    held: HeldRequest
+    last_token: int  # emitted, not yet cached
+    index: int  # output number of the next token
+    budget: int  # tokens it may still emit; the request ends when it reaches 0
+    out: RequestOutput = field(init=False)
+    finished: bool = False
+
+    def __post_init__(self):
+        self.out = RequestOutput(self.request_id, self.last_token, token_ids=[])
+
+
+def emit(state: DecodeState, tokens: list[int], rows: torch.Tensor, eos_ids: tuple[int, ...]) -> int:
+    """Appends tokens up to the budget and the first stop id / EOS; rows [len(tokens), V] raw logits.
+
+    Returns how many were kept."""
+    params, kept = state.held.sampling, 0
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    for j, token in enumerate(tokens):
+        if params.logprobs is not None:
+            state.out.logprobs.append(token_logprob(rows[j], token, params.logprobs))
+        state.out.token_ids.append(token)
+        kept, state.budget, state.index = kept + 1, state.budget - 1, state.index + 1
+        if (token in stops and state.index > params.min_tokens) or state.budget == 0:
+            state.finished = True
+            break
+    state.last_token = state.out.token_id = state.out.token_ids[-1]
+    return kept
+
+
+def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bool) -> None:
+    """One token per request: target forward of [t_n] each, sample."""
+    model, eos_ids = runner.model, runner.model.config.eos_token_ids
+    hidden = runner.extend([ExtendItem(s.held.table, [s.last_token]) for s in states])  # [B, D]
+    logits = model.logits(hidden)  # [B, V] float32
+    for b, state in enumerate(states):
+        token = sample(logits[b], state.held.sampling, eos_ids, state.index)
+        emit(state, [token], logits[b : b + 1], eos_ids)
+        if return_logits:
+            state.out.logits = logits[b].cpu()
+
+
+def draft_chain(runner: ModelRunner, states: list[DecodeState], k: int) -> tuple[list[list[int]], list[list]]:
+    """k draft tokens per request (MTP layer on its own output hidden); returns drafts and their q's."""
+    model, eos_ids = runner.model, runner.model.config.eos_token_ids
+    starts = [s.held.table.num_tokens for s in states]  # n per request
+    hidden = torch.stack([s.held.draft_hidden for s in states])  # [B, D]
+    drafts, probs = [[] for _ in states], [[] for _ in states]
+    for j in range(k):
+        draft_logits = model.mtp_logits(hidden)  # [B, V]
+        for b, state in enumerate(states):
+            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j)
+            drafts[b].append(token)
+            probs[b].append(q)
+        if j < k - 1:  # MTP position n + j takes (d_j, its own previous output)
+            items = [ExtendItem(s.held.table, [drafts[b][j]]) for b, s in enumerate(states)]
+            hidden = runner.extend_mtp(items, hidden, [n + j for n in starts])  # [B, D]
+    return drafts, probs
+
+
+def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int) -> None:
+    """Draft k, verify k + 1 in one target forward, roll back, draft-extend the accepted tokens."""
+    model, cache, eos_ids = runner.model, runner.cache, runner.model.config.eos_token_ids
+    starts = [s.held.table.num_tokens for s in states]  # n per request
+    for state, n in zip(states, starts):
+        cache.reserve(state.held.table, n + k + 1)
+    drafts, probs = draft_chain(runner, states, k)
+    verify_items = [ExtendItem(s.held.table, [s.last_token] + d) for s, d in zip(states, drafts)]
+    hidden = runner.extend(verify_items).view(len(states), k + 1, -1)  # [B, k+1, D]
+    logits = model.logits(hidden)  # [B, k+1, V]
+    extend_items, extend_rows, extend_starts, extended = [], [], [], []
+    for b, (state, n) in enumerate(zip(states, starts)):
+        params = state.held.sampling
+        accepted, tokens = verify(logits[b], drafts[b], probs[b], params, eos_ids, state.index)
+        state.out.drafted += k
+        for j in range(accepted):
+            state.out.accepted_per_position[j] += 1
+        cache.truncate(state.held.table, n + accepted + 1)
+        emit(state, tokens, logits[b], eos_ids)
+        if not state.finished:
+            extend_items.append(ExtendItem(state.held.table, tokens))
+            extend_rows.append(hidden[b, : accepted + 1])  # [m+1, D] target hidden at positions n..n+m
+            extend_starts.append(n)
+            extended.append(state)
+    if extended:
+        mtp_hidden = runner.extend_mtp(extend_items, torch.cat(extend_rows), extend_starts)  # [sum(m+1), D]
+        ends = torch.tensor([len(it.token_ids) for it in extend_items]).cumsum(0) - 1  # [B'] last row each
+        for state, row in zip(extended, ends.tolist()):
+            state.held.draft_hidden = mtp_hidden[row]
+
+
+def run_decode(
+    runner: ModelRunner, states: list[DecodeState], num_steps: int, k: int, return_logits: bool
+) -> dict[str, RequestOutput]:
+    """Up to `num_steps` steps; a request stops early at its budget or a stop id / EOS."""
+    use_mtp = k > 0 and runner.model.num_mtp_layers > 0
+    for state in states:
+        state.out.accepted_per_position = [0] * (k if use_mtp else 0)
+    for _ in range(num_steps):
+        active = [s for s in states if not s.finished and s.budget > 0]
+        if not active:
+            break
+        if use_mtp:
+            speculative_step(runner, active, k)
+        else:
+            plain_step(runner, active, return_logits)
+    return {s.request_id: s.out for s in states}
+
