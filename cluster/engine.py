@@ -29,6 +29,7 @@ class EngineStats:
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    preemptions: int = 0
     decode_calls: int = 0  # (step, rank) pairs that decoded: divides `drafted` / k into verify steps
     step_wall_s: float = 0.0
     worker_compute_s: float = 0.0  # max over ranks of each step's compute time, summed
@@ -144,6 +145,7 @@ class DSAEngine:
     def _record(self, step, results, outputs, wall_s: float) -> None:
         stats, self._last_progress = self.stats, time.monotonic()
         stats.steps, stats.step_wall_s = stats.steps + 1, stats.step_wall_s + wall_s
+        stats.preemptions += len(step.preempted)
         stats.worker_compute_s += max(r.compute_s for r in results)
         for result in results:
             self.free_pages[result.cp_rank] = result.free_pages

@@ -43,8 +43,8 @@ def local_engine(model_dir, options: EngineOptions) -> DSAEngine:
     return DSAEngine([worker], scheduler, load_tokenizer(model_dir), info)
 
 
-def make_requests(lens: list[int], max_tokens: int | list[int], vocab: int, seed: int = 0, **kwargs) -> list[EngineRequest]:
-    generator = torch.Generator().manual_seed(seed)
+def make_requests(lens: list[int], max_tokens: int | list[int], vocab: int, prompt_seed: int = 0, **kwargs) -> list[EngineRequest]:
+    generator = torch.Generator().manual_seed(prompt_seed)
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(lens)
     return [
         EngineRequest(f"r{i}", tuple(torch.randint(1, vocab, (n,), generator=generator).tolist()), budget, **kwargs)
