@@ -84,7 +84,13 @@ def add_mtp_layer(model_dir: Path, seed: int = 1) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     hidden = config["hidden_size"]
     mtp = {}
-    for name, value in tensors.items():
+    # The MTP layer is a full DSA layer: it takes the last layer's shapes, and the indexer shapes of the last
+    # layer that has one (GLM "shared" layers have none).
+    full = max(i for i in range(n) if f"model.layers.{i}.self_attn.indexer.wk.weight" in tensors)
+    sources = {k: v for k, v in tensors.items() if k.startswith(f"model.layers.{n - 1}.")}
+    sources.update({k.replace(f"layers.{full}.", f"layers.{n - 1}."): v for k, v in tensors.items()
+                    if k.startswith(f"model.layers.{full}.self_attn.indexer.")})
+    for name, value in sorted(sources.items()):
         if name.startswith(f"model.layers.{n - 1}."):
             new_name = name.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")
             if "norm" in name and value.dim() == 1 and "bias" not in name:
