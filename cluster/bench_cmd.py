@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import bench_decode
 from .cp_args import add_cp_arguments
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -34,6 +35,7 @@ def add_parser(commands) -> None:
     prefill.add_argument("--warmup", type=int, default=1)
     prefill.add_argument("--json", action="store_true", help="print one JSON object")
     prefill.set_defaults(run=run_prefill)
+    bench_decode.add_parser(kinds)
 
 
 def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, layers: int, dtype: str) -> float:

@@ -1,4 +1,4 @@
-"""`dsa-serve generate --cp-size C` through Ray, and the engine session the CP sub-commands share.
+"""`dsa-serve generate` through the engine (in-process, or a CP group on Ray) and the CP sessions commands share.
 
 `engine_session` starts (or joins) Ray, launches one CP engine and always tears both down again.
 """
@@ -15,10 +15,11 @@ from cluster.config import ResolvedCPConfig
 from cluster.cp_args import resolve_cp_args
 from cluster.generate_cmd import parse_prompt_ids
 from cluster.launch import CPEngine, engine_cpus, launch_engine, start_ray
+from cluster.engine_launch import EngineOptions, run_all, start_engine, start_local_engine
+from cluster.engine_protocol import EngineRequest
 from cp_router.padding import ceil_div
-from cp_router.plans import SamplingParams
 from model_workers.model.config import load_model_config
-from model_workers.tokenizer import decode, encode, load_tokenizer
+from model_workers.tokenizer import encode, load_tokenizer
 
 PAGE_SIZE = 64
 
@@ -46,25 +47,51 @@ def engine_session(model_dir: Path, cp: ResolvedCPConfig, args: argparse.Namespa
             engine.shutdown()
 
 
-def run_generate_cp(args: argparse.Namespace, model_dir: Path) -> dict:
-    """Prompt -> tokens through the CP engine: CP prefill across the ranks, decode on the owner."""
-    cp = resolve_cp_args(args, model_dir)
-    config, tokenizer = load_model_config(model_dir), load_tokenizer(model_dir)
+def read_prompts(args: argparse.Namespace, model_dir: Path, vocab_size: int) -> list[list[int]]:
+    """--prompt texts (tokenized) or --prompt-ids lists, each checked against the vocabulary."""
     if args.prompt is not None:
+        tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise ValueError(f"--prompt needs {model_dir / 'tokenizer.json'}; use --prompt-ids instead")
-        prompt_ids = encode(tokenizer, args.prompt)
+        prompts = [encode(tokenizer, text) for text in args.prompt]
     else:
-        prompt_ids = parse_prompt_ids(args.prompt_ids)
-    bad = [t for t in prompt_ids if not 0 <= t < config.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    num_pages = ceil_div(len(prompt_ids) + args.max_tokens, PAGE_SIZE) + 1
-    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    with engine_session(model_dir, cp, args, num_pages) as engine:
-        call = engine.router.generate.remote([prompt_ids], args.max_tokens, sampling, config.eos_token_ids)
-        (result,) = ray.get(call)
-    result.update(cp_size=cp.cp_size, cp_strategy=cp.strategy, cp_impl=cp.impl)
-    if tokenizer is not None:
-        result["text"] = decode(tokenizer, result["token_ids"])
-    return result
+        prompts = [parse_prompt_ids(text) for text in args.prompt_ids]
+    for ids in prompts:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if not ids:
+            raise ValueError("--prompt encodes to no tokens")
+    return prompts
+
+
+def cli_requests(args: argparse.Namespace, prompts: list[list[int]]) -> list[EngineRequest]:
+    stop_ids = tuple(parse_prompt_ids(args.stop_token_ids, "--stop-token-ids"))
+    return [
+        EngineRequest(
+            f"cli-{i}", tuple(prompts[i % len(prompts)]), args.max_tokens, args.temperature, args.top_p, args.top_k,
+            args.min_tokens, stop_ids, tuple(args.stop), args.ignore_eos, args.seed + i, args.logprobs,
+        )
+        for i in range(args.n_requests)
+    ]
+
+
+def run_generate(args: argparse.Namespace, model_dir: Path) -> list[dict]:
+    """Prompts -> results through the engine: in this process (C = 1), or CP prefill across Ray ranks."""
+    cp = resolve_cp_args(args, model_dir) if args.cp_size is not None else None
+    config = load_model_config(model_dir)
+    requests = cli_requests(args, read_prompts(args, model_dir, config.vocab_size))
+    k = args.speculative_num_steps
+    num_pages = sum(ceil_div(len(r.prompt_token_ids) + r.max_tokens + k + 1, PAGE_SIZE) for r in requests) + 1
+    options = EngineOptions(args.dtype, num_pages, PAGE_SIZE, k, use_gpu=str(args.device).startswith("cuda"))
+    if cp is None:
+        return run_all(start_local_engine(model_dir, options), requests)
+    with ray_session(engine_cpus(cp.cp_size), args.ray_address):
+        engine, group = start_engine(model_dir, cp, options)
+        try:
+            results = run_all(engine, requests)
+        finally:
+            group.shutdown()
+    for result in results:
+        result.update(cp_size=cp.cp_size, cp_strategy=cp.strategy, cp_impl=cp.impl)
+    return results

@@ -14,6 +14,7 @@ from model_workers.tokenizer import load_tokenizer
 
 from .engine import DSAEngine
 from .engine_protocol import EngineRequest, ModelInfo
+from .local_worker import InProcessWorker
 from .metrics import ServeMetrics
 
 
@@ -48,16 +49,31 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions, eos_ids: tuple[i
     ))
 
 
+LOCAL_CP = ResolvedCPConfig(enabled=False, cp_size=1, strategy=None, impl="legacy")
+
+
+def _engine(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list, metrics) -> DSAEngine:
+    config = load_model_config(model_dir)
+    info = ModelInfo(Path(model_dir).name, config.vocab_size, config.max_position_embeddings,
+                     (Path(model_dir) / "tokenizer_config.json").is_file())
+    scheduler = scheduler_for(cp, options, config.eos_token_ids)
+    return DSAEngine(workers, scheduler, load_tokenizer(model_dir), info, metrics)
+
+
 def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOptions,
                  metrics: ServeMetrics | None = None) -> tuple[DSAEngine, CPEngine]:
     """Launches the CP group (Ray must be running) and the engine over it; shut down the group when done."""
-    config = load_model_config(model_dir)
-    scheduler = scheduler_for(cp, options, config.eos_token_ids)
+    scheduler_for(cp, options, ())  # bad options fail before any actor starts
     group = launch_engine(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                           threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu)
-    info = ModelInfo(Path(model_dir).name, config.vocab_size, config.max_position_embeddings,
-                     (Path(model_dir) / "tokenizer_config.json").is_file())
-    return DSAEngine(group.workers, scheduler, load_tokenizer(model_dir), info, metrics), group
+    return _engine(model_dir, cp, options, group.workers, metrics), group
+
+
+def start_local_engine(model_dir: str | Path, options: EngineOptions, metrics: ServeMetrics | None = None) -> DSAEngine:
+    """A C = 1 engine in this process (no Ray): the CLI without --cp-size, tests, benchmarks."""
+    scheduler_for(LOCAL_CP, options, ())
+    worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size)
+    return _engine(model_dir, LOCAL_CP, options, [worker], metrics)
 
 
 async def collect(engine: DSAEngine, request: EngineRequest) -> dict:

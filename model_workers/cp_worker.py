@@ -25,8 +25,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class CPWorker:
-    def __init__(self, cp_rank: int, cp_size: int, num_threads: int = 1):
-        torch.set_num_threads(num_threads)
+    def __init__(self, cp_rank: int, cp_size: int, num_threads: int | None = 1):
+        if num_threads is not None:  # None: keep the process's setting (an in-process worker)
+            torch.set_num_threads(num_threads)
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.comm: LocalComm = LocalComm()

@@ -1,0 +1,28 @@
+"""A C = 1 engine in this process: the rank worker called like a Ray actor handle, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from model_workers.cp_worker import CPWorker
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        """Runs now; returns an awaitable holding the result, like a Ray ObjectRef."""
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.fn(*args))
+        return future
+
+
+class InProcessWorker:
+    """`CPWorker(cp_rank=0, cp_size=1)` with `.step.remote(plan)` / `.free_pages.remote()` awaitable."""
+
+    def __init__(self, model_dir: str | Path, dtype: str, num_pages: int, page_size: int):
+        self.worker = CPWorker(0, 1, num_threads=None)
+        self.worker.load(str(model_dir), dtype, num_pages, page_size)
+        self.step, self.free_pages = _Method(self.worker.step), _Method(self.worker.free_pages)

@@ -1,0 +1,108 @@
+"""The scheduler alone (no model, no Ray): FCFS under token and page budgets, chunking with CP-sized pieces,
+owners, lockstep plans, preempt-newest with recompute, frees on abort."""
+
+import pytest
+
+from cp_router.plans import RequestOutput, SamplingParams
+from cp_router.scheduler import Scheduler, SchedulerConfig
+from cp_router.scheduler_prefill import chunk_len
+
+
+def scheduler(num_pages: int = 32, cp_size: int = 2, k: int = 0, budget: int = 16) -> Scheduler:
+    return Scheduler(SchedulerConfig(cp_size, num_pages, 4, budget, "zigzag", "legacy", k, 4, (0,)))
+
+
+def outputs_for(step, token: int = 7, count: int = 1) -> dict:
+    """What the owners would return: `count` tokens for every decoded request and every final prefill piece."""
+    ids = list(step.decode_ids)
+    if step.prefill is not None:
+        ids += [p.request_id for p in step.prefill.pieces if p.final]
+    return {rid: RequestOutput(rid, token, token_ids=[token] * count) for rid in ids}
+
+
+def run_step(s: Scheduler, token: int = 7):
+    step = s.schedule()
+    count = step.plans[next(iter(step.plans))].num_steps if step.decode_ids else 1
+    s.apply(step, outputs_for(step, token, count))
+    return step
+
+
+def test_chunks_leave_a_remainder_of_zero_or_at_least_the_alignment():
+    assert chunk_len(40, 16, 4) == 16 and chunk_len(18, 16, 4) == 14 and chunk_len(12, 16, 4) == 12
+    assert chunk_len(19, 16, 4) == 15
+
+
+def test_a_long_prompt_is_prefilled_in_cp_chunks_with_prefix_offsets():
+    s = scheduler()
+    s.add("long", list(range(1, 41)), SamplingParams(max_tokens=4))
+    prefixes = []
+    for _ in range(3):
+        step = run_step(s)
+        shard = step.plans[0].prefill
+        assert set(step.plans) == {0, 1} and shard.meta.cp_size == 2  # every chunk runs with CP
+        prefixes.append((shard.meta.prefix_lens[0], shard.meta.extend_lens[0], shard.requests[0].final_chunk))
+    assert prefixes == [(0, 16, False), (16, 16, False), (32, 8, True)]
+    assert s.sequences["long"].output_ids == [7] and s.sequences["long"].kv_tokens == {0: 40}
+
+
+def test_owners_are_the_least_loaded_ranks_and_decode_plans_are_per_owner():
+    s = scheduler(budget=32)
+    for i, n in enumerate([9, 6, 5]):
+        s.add(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=3))
+    step = run_step(s)
+    assert step.prefill.owners == (0, 1, 1)  # r1 and r2 together hold fewer pages than r0
+    step = s.schedule()
+    assert {r: [i.request_id for i in p.decode] for r, p in step.plans.items()} == {0: ["r0"], 1: ["r1", "r2"]}
+    assert all(p.num_steps == 4 for p in step.plans.values())  # nothing waits: several steps per call
+
+
+def test_a_short_batch_runs_without_cp_on_one_rank():
+    s = scheduler()
+    s.add("tiny", [1, 2, 3], SamplingParams(max_tokens=2))
+    step = run_step(s)
+    assert list(step.plans) == [0] and step.plans[0].prefill.meta.cp_size == 1
+
+
+def test_admission_waits_for_pages_and_keeps_fcfs():
+    s = scheduler(num_pages=6)
+    s.add("a", list(range(1, 17)), SamplingParams(max_tokens=4))  # 4 pages on every rank during CP prefill
+    s.add("b", list(range(1, 13)), SamplingParams(max_tokens=4))  # 3 more pages: must wait
+    step = run_step(s)
+    assert [p.request_id for p in step.prefill.pieces] == ["a"] and list(s.waiting) == ["b"]
+
+
+def test_kv_exhaustion_preempts_the_newest_and_recomputes_it():
+    s = scheduler(num_pages=6, cp_size=1, budget=32)
+    s.add("old", list(range(1, 13)), SamplingParams(max_tokens=8))
+    s.add("new", list(range(1, 13)), SamplingParams(max_tokens=8))
+    run_step(s)  # both prefilled on rank 0: 3 + 3 pages
+    step = s.schedule()
+    assert step.preempted == ["new"] and step.plans[0].free == ("new",)
+    assert list(s.waiting) == ["new"] and s.sequences["new"].num_generated_at_prefill == 1
+    assert [i.request_id for i in step.plans[0].decode] == ["old"]
+    assert s.sequences["new"].context_ids() == list(range(1, 13)) + [7]
+
+
+def test_finish_frees_on_every_rank_holding_kv_and_requests_that_cannot_fit_are_refused():
+    s = scheduler()
+    s.add("a", list(range(1, 30)), SamplingParams(max_tokens=4))
+    run_step(s)  # first chunk: pages on both ranks
+    s.finish("a")
+    step = s.schedule()
+    assert {r: p.free for r, p in step.plans.items()} == {0: ("a",), 1: ("a",)} and not s.has_work()
+    with pytest.raises(ValueError, match="needs 34 KV pages; a rank has 32"):
+        s.add("big", list(range(1, 130)), SamplingParams(max_tokens=4))
+
+
+def test_stop_ids_respect_min_tokens():
+    s = scheduler(cp_size=1)
+    s.add("x", [1, 2], SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(9,)))
+    seq = s.sequences["x"]
+    seq.output_ids = [9]
+    assert seq.finish_reason((0,)) is None
+    seq.output_ids = [3, 9]  # output number 1 < min_tokens: the sampler never emits it; not a stop here
+    assert seq.finish_reason((0,)) is None
+    seq.output_ids = [3, 4, 9]
+    assert seq.finish_reason((0,)) == "stop"
+    seq.output_ids = [3, 4, 5, 6, 0]
+    assert seq.finish_reason((0,)) == "stop"
