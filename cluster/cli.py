@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_cmd, generate_cmd, train_cmd
+from . import bench_cmd, generate_cmd, serve_cmd, train_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.add_parser(commands)
     train_cmd.add_parser(commands)
     bench_cmd.add_parser(commands)
+    serve_cmd.add_parser(commands)
     return parser
 
 

@@ -12,6 +12,7 @@ from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.model.config import load_model_config
 from model_workers.tokenizer import load_tokenizer
 
+from .chat_template import ChatTemplate
 from .engine import DSAEngine
 from .engine_protocol import EngineRequest, ModelInfo
 from .local_worker import InProcessWorker
@@ -55,7 +56,7 @@ LOCAL_CP = ResolvedCPConfig(enabled=False, cp_size=1, strategy=None, impl="legac
 def _engine(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list, metrics) -> DSAEngine:
     config = load_model_config(model_dir)
     info = ModelInfo(Path(model_dir).name, config.vocab_size, config.max_position_embeddings,
-                     (Path(model_dir) / "tokenizer_config.json").is_file())
+                     ChatTemplate.from_model_dir(model_dir) is not None)
     scheduler = scheduler_for(cp, options, config.eos_token_ids)
     return DSAEngine(workers, scheduler, load_tokenizer(model_dir), info, metrics)
 

@@ -4,6 +4,7 @@ One placement group per engine with C bundles (`{"GPU": 1}` each when CUDA is av
 `{"CPU": 1}`), one worker per bundle; cp_rank 0 picks the rendezvous address and a free port, which
 the launcher passes to every rank. A group that cannot be placed fails after a timeout with an error
 naming what it asked for; `CPEngine.shutdown` kills the actors and removes the placement group.
+`start_workers` alone puts the workers into bundles of a placement group the caller owns (a Serve replica's).
 """
 
 from __future__ import annotations
@@ -32,20 +33,21 @@ def engine_cpus(cp_size: int) -> int:
     return cp_size + 1
 
 
-def start_ray(min_cpus: int, address: str | None = None) -> bool:
+def start_ray(min_cpus: int, address: str | None = None, log_to_driver: bool = False) -> bool:
     """Joins the Ray cluster at `address` (or $RAY_ADDRESS), else starts a local one; True when it started Ray.
 
     A local Ray gets at least `min_cpus` logical CPUs (`engine_cpus(C)` per engine it will hold), so a
-    machine with fewer cores still places the groups (the workers then share cores).
+    machine with fewer cores still places the groups (the workers then share cores). `log_to_driver`
+    forwards the actors' stdout/stderr to this process (the server's access log).
     """
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver)
         return False
     num_cpus = max(os.cpu_count() or 1, min_cpus)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
     return True
 
 
@@ -60,11 +62,19 @@ class CPEngine:
 
     def shutdown(self) -> None:
         try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+            stop_workers(self.workers)
         finally:
-            for actor in [self.router, *self.workers]:
-                ray.kill(actor)
+            ray.kill(self.router)
             remove_placement_group(self.placement)
+
+
+def stop_workers(workers: list) -> None:
+    """Shuts the workers' process group down (30 s at most), then kills the worker actors."""
+    try:
+        ray.get([w.shutdown.remote() for w in workers], timeout=30)
+    finally:
+        for worker in workers:
+            ray.kill(worker)
 
 
 def _place(cp_size: int, use_gpu: bool, timeout_s: float):
@@ -81,6 +91,31 @@ def _place(cp_size: int, use_gpu: bool, timeout_s: float):
     return group
 
 
+def start_workers(model_dir: str | Path, cp_size: int, group, first_bundle: int, dtype: str, num_pages: int,
+                  page_size: int, threads_per_worker: int, use_gpu: bool) -> list:
+    """One CPWorker per rank in bundles first_bundle.. of `group`, joined in a process group, checkpoint loaded.
+
+    On failure the workers are stopped and the error re-raised; the placement group stays the caller's.
+    """
+    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
+    worker_cls = ray.remote(CPWorker)
+    workers = [
+        worker_cls.options(
+            **resources,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first_bundle + r),
+        ).remote(r, cp_size, threads_per_worker)
+        for r in range(cp_size)
+    ]
+    try:
+        master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
+        ray.get([w.init_comm.remote(master_addr, master_port) for w in workers])
+        ray.get([w.load.remote(str(model_dir), dtype, num_pages, page_size) for w in workers])
+    except Exception:
+        stop_workers(workers)
+        raise
+    return workers
+
+
 def launch_engine(
     model_dir: str | Path,
     cp: ResolvedCPConfig,
@@ -91,25 +126,14 @@ def launch_engine(
     threads_per_worker: int = 1,
     use_gpu: bool | None = None,
 ) -> CPEngine:
-    """Starts the workers (one per CP rank), joins them in a process group, loads the checkpoint everywhere."""
+    """Places a group, starts its workers (one per CP rank, see `start_workers`) and a router over them."""
     use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
     group = _place(cp.cp_size, use_gpu, placement_timeout_s)
-    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
-    worker_cls = ray.remote(CPWorker)
-    workers = [
-        worker_cls.options(
-            **resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=cp_rank),
-        ).remote(cp_rank, cp.cp_size, threads_per_worker)
-        for cp_rank in range(cp.cp_size)
-    ]
-    router = ray.remote(Router).remote(workers, cp.cp_size, cp.strategy, cp.impl, cp.enabled)
-    engine = CPEngine(cp, workers, router, group)
     try:
-        master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
-        ray.get([w.init_comm.remote(master_addr, master_port) for w in workers])
-        ray.get([w.load.remote(str(model_dir), dtype, num_pages, page_size) for w in workers])
+        workers = start_workers(model_dir, cp.cp_size, group, 0, dtype, num_pages, page_size, threads_per_worker,
+                                use_gpu)
     except Exception:
-        engine.shutdown()
+        remove_placement_group(group)
         raise
-    return engine
+    router = ray.remote(Router).remote(workers, cp.cp_size, cp.strategy, cp.impl, cp.enabled)
+    return CPEngine(cp, workers, router, group)

@@ -1,0 +1,128 @@
+"""The Ray Serve application `cluster.serve_app:app`: `DSAIngress` (HTTP) in front of `DSAEngine` (CP groups).
+
+Placement: a `DSAEngine` replica runs in a placement group of 1 + C bundles (`engine_bundles`): bundle 0
+holds the replica itself (the engine's asyncio step loop and scheduler), bundles 1..C the CPWorker rank
+actors the replica starts there (`cluster.launch.start_workers`). The strategy is `placement_strategy`
+(STRICT_PACK by default). More replicas = more CP groups: Serve's `num_replicas` / `autoscaling_config` of
+the deployment apply as they are. The rank actors are owned by the replica and die with it.
+Health: Serve calls `DSAEngine.check_health` every `health_check_period_s`; it raises when a rank actor is
+dead (its ping fails) or the step loop stopped or made no progress while it had work, and Serve replaces
+the replica. Aborts and metrics: see cluster/serve_client.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+import ray
+from pydantic import ValidationError
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+from model_workers.generation import resolve_model_dir
+
+from .cp_args import resolve_cp_args
+from .engine_launch import EngineOptions
+from .engine_launch import _engine as engine_over_workers
+from .engine_protocol import EngineChunk, EngineRequest, ModelInfo
+from .ingress import build_app
+from .launch import start_workers
+from .metrics import ServeMetrics
+from .serve_client import ServeEngineClient
+from .serve_settings import ServeAppArgs
+
+APP_NAME = "dsa-serve"
+ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT = "DSAEngine", "DSAIngress"
+
+
+def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
+    """One bundle for the engine replica, then one per CP rank worker."""
+    rank = {"GPU": 1} if args.device == "cuda" else {"CPU": 1}
+    return [{"CPU": 1}] + [dict(rank) for _ in range(args.cp_size)]
+
+
+def engine_options(args: ServeAppArgs) -> EngineOptions:
+    return EngineOptions(args.dtype, num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda")
+
+
+# Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
+QUIET = {"enable_access_log": False}
+
+
+@serve.deployment(name=ENGINE_DEPLOYMENT, logging_config=QUIET)
+class EngineReplica:
+    """One CP group and the `DSAEngine` driving it."""
+
+    def __init__(self, args: ServeAppArgs):
+        model_dir = resolve_model_dir(args.model)
+        cp, options = resolve_cp_args(args, model_dir), engine_options(args)
+        group = ray.util.get_current_placement_group()
+        if group is None:
+            raise RuntimeError(f"{ENGINE_DEPLOYMENT} must run in a placement group of 1 + cp_size bundles "
+                               "(placement_group_bundles); build the app with cluster.serve_app:app")
+        self.workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
+                                     options.page_size, options.threads_per_worker, bool(options.use_gpu))
+        metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
+        self.engine = engine_over_workers(model_dir, cp, options, self.workers, metrics)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        async for chunk in self.engine.generate(request):
+            yield chunk
+
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
+
+    async def metrics_text(self) -> str:
+        return await self.engine.metrics_text()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+
+def configure_access_log() -> None:
+    """One INFO line per HTTP request on stderr (`dsa_serve.access`), forwarded to the driver by Ray."""
+    logger = logging.getLogger("dsa_serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+@serve.deployment(name=INGRESS_DEPLOYMENT, logging_config=QUIET)
+@serve.ingress()
+class IngressReplica:
+    """The FastAPI app of cluster/ingress.py over a `ServeEngineClient`."""
+
+    def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
+        self.engine, self.settings = engine, args.ingress
+        if self.settings.model_dir is None:  # the tokenizer and chat template come from the served checkpoint
+            self.settings = self.settings.model_copy(update={"model_dir": str(resolve_model_dir(args.model))})
+        configure_access_log()
+
+    async def __serve_build_asgi_app__(self):
+        return build_app(await ServeEngineClient.connect(self.engine), self.settings)
+
+
+def validate_args(args: dict[str, Any] | ServeAppArgs) -> ServeAppArgs:
+    """ServeAppArgs, or one ValueError line naming each bad field."""
+    try:
+        return ServeAppArgs.model_validate(args)
+    except ValidationError as err:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"invalid {APP_NAME} args: {fields}") from None
+
+
+def build_application(args: ServeAppArgs, engine_replicas: int | None = None) -> Application:
+    """The two deployments bound together; `engine_replicas` overrides DSAEngine's num_replicas."""
+    replicas = {} if engine_replicas is None else {"num_replicas": engine_replicas}
+    engine = EngineReplica.options(placement_group_bundles=engine_bundles(args),
+                                   placement_group_strategy=args.placement_strategy, **replicas).bind(args)
+    return IngressReplica.bind(engine, args)
+
+
+def app(args: dict[str, Any]) -> Application:
+    """The Serve app builder of `import_path: cluster.serve_app:app` (`args:` is ServeAppArgs)."""
+    return build_application(validate_args(args))

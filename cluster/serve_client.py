@@ -1,0 +1,63 @@
+"""`EngineClient` over the `DSAEngine` deployment handle: what the ingress replica talks to.
+
+* `generate` opens a streaming call (`handle.options(stream=True)`); Serve routes it to one engine replica
+  and the client keeps that call's response object under the request id.
+* `abort(request_id)` cancels that response: Serve delivers the cancellation to the replica that owns the
+  request, whose engine stream then aborts the request and frees its KV pages. So aborts need no routing of
+  their own and cannot reach the wrong CP group.
+* `metrics_text` and `check_health` are broadcast to every engine replica (each labels its metrics with its
+  own replica id); the texts are merged with `merge_metrics_text`.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from ray.serve.exceptions import RequestCancelledError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from .engine_protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo
+from .metrics import merge_metrics_text
+
+BROADCAST_TIMEOUT_S = 30.0
+
+
+class ServeEngineClient:
+    def __init__(self, handle: DeploymentHandle, info: ModelInfo):
+        self.handle, self.info = handle, info
+        self.streams: dict[str, DeploymentResponseGenerator] = {}
+
+    @classmethod
+    async def connect(cls, handle: DeploymentHandle) -> ServeEngineClient:
+        return cls(handle, await handle.model_info.remote())
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        response = self.handle.options(stream=True).generate.remote(request)
+        self.streams[request.request_id] = response
+        last: EngineChunk | None = None
+        try:
+            async for last in response:
+                yield last
+        except RequestCancelledError:  # aborted: the stream ends like the engine's own abort does
+            yield EngineChunk((), "", "abort", len(request.prompt_token_ids), last.completion_tokens if last else 0)
+        except EngineOverloadedError as exc:  # re-raised without Ray's remote traceback in its message
+            cause = getattr(exc, "cause", exc)
+            raise EngineOverloadedError(str(cause), cause.retry_after_s) from None
+        finally:
+            if self.streams.pop(request.request_id, None) is not None and (last is None or not last.finish_reason):
+                response.cancel()  # the consumer stopped early: free the request on its replica
+
+    async def abort(self, request_id: str) -> None:
+        response = self.streams.pop(request_id, None)
+        if response is not None:
+            response.cancel()
+
+    def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def metrics_text(self) -> str:
+        texts = await self.handle.broadcast("metrics_text").results_async(timeout_s=BROADCAST_TIMEOUT_S)
+        return merge_metrics_text(texts)
+
+    async def check_health(self) -> None:
+        await self.handle.broadcast("check_health").results_async(timeout_s=BROADCAST_TIMEOUT_S)
