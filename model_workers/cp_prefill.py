@@ -19,6 +19,7 @@ from .cp_backend import CPBackend, gather_rows_global
 from .kv_cache import PageTable
 from .model.decoder import DSAForCausalLM
 from .sampler import sample, token_logprob
+from .shared_topk import position_slots
 from .torch_backend import ForwardBatch
 
 
@@ -34,6 +35,7 @@ class PrefillContext:
     page_size: int
     device: torch.device
     draft_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # owned: MTP output at the last row [D]
+    draft_topk: dict[str, torch.Tensor] = field(default_factory=dict)  # owned, index sharing: its top-k slots [k']
 
 
 def cp_forward_batch(
@@ -144,3 +146,5 @@ def run_mtp_prefill(
         if topk_global is not None:
             start, end = meta.stream_offsets[s], meta.stream_offsets[s + 1]
             out.mtp_topk_positions = topk_global[start:end].cpu()  # [L_s, k]
+            last_row = topk_global[end - 1].cpu()  # [k] key positions
+            ctx.draft_topk[req.request_id] = position_slots(ctx.tables[s], last_row, ctx.page_size).to(ctx.device)

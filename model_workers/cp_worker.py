@@ -112,6 +112,7 @@ class CPWorker:
         self.free([req.request_id for req in shard.requests if req.owner_rank != self.cp_rank and req.final_chunk])
         for request_id, hidden in ctx.draft_hidden.items():
             self.held[request_id].draft_hidden = hidden
+            self.held[request_id].draft_topk = ctx.draft_topk.get(request_id)
         return outputs
 
     def _reserve_everywhere(self, shard: PrefillShard, comm: LocalComm) -> list[PageTable]:

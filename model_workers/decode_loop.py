@@ -21,6 +21,7 @@ from cp_router.plans import RequestOutput, SamplingParams
 from .kv_cache import PageTable
 from .runner import ExtendItem, ModelRunner
 from .sampler import draft_token, sample, token_logprob, verify
+from .shared_topk import SharedTopkBackend, reuse_rows
 
 
 @dataclass
@@ -28,6 +29,7 @@ class HeldRequest:
     table: PageTable
     sampling: SamplingParams
     draft_hidden: torch.Tensor | None = None  # [D] MTP output at the last cached position
+    draft_topk: torch.Tensor | None = None  # [k'] MTP top-k slots there (MTP index sharing only)
 
 
 @dataclass
@@ -76,7 +78,16 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
             state.out.logits = logits[b].cpu()
 
 
-def draft_chain(runner: ModelRunner, states: list[DecodeState], k: int) -> tuple[list[list[int]], list[list]]:
+def sharing_backend(runner: ModelRunner, states: list[DecodeState]) -> SharedTopkBackend | None:
+    """The MTP index-sharing backend when the checkpoint asks for it (GLM-5.2), else None."""
+    if not runner.model.config.index_share_for_mtp_iteration or any(s.held.draft_topk is None for s in states):
+        return None
+    return SharedTopkBackend(runner.cache, runner.model.config.num_hidden_layers)
+
+
+def draft_chain(
+    runner: ModelRunner, states: list[DecodeState], k: int, shared: SharedTopkBackend | None
+) -> tuple[list[list[int]], list[list]]:
     """k draft tokens per request (MTP layer on its own output hidden); returns drafts and their q's."""
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
     starts = [s.held.table.num_tokens for s in states]  # n per request
@@ -90,7 +101,10 @@ def draft_chain(runner: ModelRunner, states: list[DecodeState], k: int) -> tuple
             probs[b].append(q)
         if j < k - 1:  # MTP position n + j takes (d_j, its own previous output)
             items = [ExtendItem(s.held.table, [drafts[b][j]]) for b, s in enumerate(states)]
-            hidden = runner.extend_mtp(items, hidden, [n + j for n in starts])  # [B, D]
+            if shared is not None:  # top-k of the last draft-extend row + the chain's own keys n..n+j
+                tables = [s.held.table for s in states]
+                shared.reuse = reuse_rows([s.held.draft_topk for s in states], tables, starts, j, runner.page_size)
+            hidden = runner.extend_mtp(items, hidden, [n + j for n in starts], backend=shared)  # [B, D]
     return drafts, probs
 
 
@@ -100,7 +114,8 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int) -> 
     starts = [s.held.table.num_tokens for s in states]  # n per request
     for state, n in zip(states, starts):
         cache.reserve(state.held.table, n + k + 1)
-    drafts, probs = draft_chain(runner, states, k)
+    shared = sharing_backend(runner, states)
+    drafts, probs = draft_chain(runner, states, k, shared)
     verify_items = [ExtendItem(s.held.table, [s.last_token] + d) for s, d in zip(states, drafts)]
     hidden = runner.extend(verify_items).view(len(states), k + 1, -1)  # [B, k+1, D]
     logits = model.logits(hidden)  # [B, k+1, V]
@@ -119,10 +134,13 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int) -> 
             extend_starts.append(n)
             extended.append(state)
     if extended:
-        mtp_hidden = runner.extend_mtp(extend_items, torch.cat(extend_rows), extend_starts)  # [sum(m+1), D]
+        if shared is not None:
+            shared.reuse = None  # the draft-extend selects its own top-k and records it
+        mtp_hidden = runner.extend_mtp(extend_items, torch.cat(extend_rows), extend_starts, backend=shared)
         ends = torch.tensor([len(it.token_ids) for it in extend_items]).cumsum(0) - 1  # [B'] last row each
         for state, row in zip(extended, ends.tolist()):
-            state.held.draft_hidden = mtp_hidden[row]
+            state.held.draft_hidden = mtp_hidden[row]  # [D]
+            state.held.draft_topk = None if shared is None else shared.kept[row]  # [k']
 
 
 def run_decode(

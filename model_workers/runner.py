@@ -69,7 +69,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def extend_mtp(
-        self, items: list[ExtendItem], prev_hidden: torch.Tensor, tables_start: list[int], mtp_index: int = 0
+        self,
+        items: list[ExtendItem],
+        prev_hidden: torch.Tensor,
+        tables_start: list[int],
+        mtp_index: int = 0,
+        backend: TorchBackend | None = None,
     ) -> torch.Tensor:
         """Runs MTP layer `mtp_index` on (t_{i+1}, h_i) rows at positions tables_start[r].. of each request.
 
@@ -79,7 +84,8 @@ class ModelRunner:
         shifted = [ExtendItem(PageTable(it.table.pages, start), it.token_ids) for it, start in zip(items, tables_start)]
         batch = build_forward_batch(shifted, self.page_size, self.device)
         ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
-        return self.model.mtp_forward(ids, prev_hidden, batch.positions, self.backend.bind(batch), mtp_index)
+        backend = (backend or self.backend).bind(batch)  # another backend: e.g. MTP index sharing
+        return self.model.mtp_forward(ids, prev_hidden, batch.positions, backend, mtp_index)
 
     def release(self, table: PageTable) -> None:
         self.cache.release(table)

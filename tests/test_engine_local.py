@@ -2,6 +2,8 @@
 with chunked prefill, stop strings and preemption, seeded sampling, logprobs, abort."""
 
 import asyncio
+import json
+import shutil
 
 import pytest
 from engine_support import local_engine, make_requests
@@ -9,6 +11,7 @@ from engine_support import local_engine, make_requests
 from cluster.engine_launch import EngineOptions, collect, run_all
 from cluster.engine_protocol import EngineRequest
 from model_workers.generation import resolve_model_dir
+from model_workers.shared_topk import SharedTopkBackend
 
 PAGE_SIZE = 8
 BUDGET = 32  # prefill tokens per step: prompts of 33+ tokens are chunked
@@ -133,3 +136,29 @@ def test_too_long_request_is_refused_with_its_sizes(default_model):
     (req,) = make_requests([40], 20, 6000)
     with pytest.raises(ValueError, match="needs 8 KV pages; a rank has 4"):
         asyncio.run(collect(engine, req))
+
+
+@pytest.fixture(scope="module")
+def shared_index_model(random_mtp, tmp_path_factory):
+    """The random-MTP checkpoint with MTP index sharing configured (GLM-5.2 style)."""
+    folder = tmp_path_factory.mktemp("v32_mtp_share")
+    for path in random_mtp.iterdir():
+        shutil.copy(path, folder / path.name)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "index_share_for_mtp_iteration": True}))
+    return folder
+
+
+def test_mtp_index_sharing_reuses_topk_and_stays_lossless(shared_index_model, monkeypatch):
+    reused = []
+    select = SharedTopkBackend.select_topk
+
+    def spy(self, layer_id, *args):
+        reused.append(layer_id == self.layer_id and self.reuse is not None)
+        return select(self, layer_id, *args)
+
+    monkeypatch.setattr(SharedTopkBackend, "select_topk", spy)
+    requests = make_requests([5, 40], 10, 120, prompt_seed=9, temperature=0.0, ignore_eos=True)
+    plain = run_all(local_engine(shared_index_model, options(0)), requests)
+    assert run_all(local_engine(shared_index_model, options(3)), requests) == plain
+    assert any(reused)  # draft steps 2..k took the recorded top-k instead of selecting
