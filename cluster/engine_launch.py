@@ -53,7 +53,9 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions, eos_ids: tuple[i
 LOCAL_CP = ResolvedCPConfig(enabled=False, cp_size=1, strategy=None, impl="legacy")
 
 
-def _engine(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list, metrics) -> DSAEngine:
+def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list,
+                        metrics: ServeMetrics | None = None) -> DSAEngine:
+    """A `DSAEngine` over already launched rank workers (Ray actor handles, or one in-process worker)."""
     config = load_model_config(model_dir)
     info = ModelInfo(Path(model_dir).name, config.vocab_size, config.max_position_embeddings,
                      ChatTemplate.from_model_dir(model_dir) is not None)
@@ -67,14 +69,14 @@ def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOpt
     scheduler_for(cp, options, ())  # bad options fail before any actor starts
     group = launch_engine(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                           threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu)
-    return _engine(model_dir, cp, options, group.workers, metrics), group
+    return engine_over_workers(model_dir, cp, options, group.workers, metrics), group
 
 
 def start_local_engine(model_dir: str | Path, options: EngineOptions, metrics: ServeMetrics | None = None) -> DSAEngine:
     """A C = 1 engine in this process (no Ray): the CLI without --cp-size, tests, benchmarks."""
     scheduler_for(LOCAL_CP, options, ())
     worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size)
-    return _engine(model_dir, LOCAL_CP, options, [worker], metrics)
+    return engine_over_workers(model_dir, LOCAL_CP, options, [worker], metrics)
 
 
 async def collect(engine: DSAEngine, request: EngineRequest) -> dict:

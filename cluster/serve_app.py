@@ -25,7 +25,7 @@ from model_workers.generation import resolve_model_dir
 
 from .cp_args import resolve_cp_args
 from .engine_launch import EngineOptions
-from .engine_launch import _engine as engine_over_workers
+from .engine_launch import engine_over_workers
 from .engine_protocol import EngineChunk, EngineRequest, ModelInfo
 from .ingress import build_app
 from .launch import start_workers
