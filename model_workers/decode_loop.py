@@ -71,8 +71,9 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
     hidden = runner.extend([ExtendItem(s.held.table, [s.last_token]) for s in states])  # [B, D]
     logits = model.logits(hidden)  # [B, V] float32
+    argmax = logits.argmax(-1).tolist()  # [B]
     for b, state in enumerate(states):
-        token = sample(logits[b], state.held.sampling, eos_ids, state.index)
+        token = sample(logits[b], state.held.sampling, eos_ids, state.index, argmax[b])
         emit(state, [token], logits[b : b + 1], eos_ids)
         if return_logits:
             state.out.logits = logits[b].cpu()
@@ -95,8 +96,9 @@ def draft_chain(
     drafts, probs = [[] for _ in states], [[] for _ in states]
     for j in range(k):
         draft_logits = model.mtp_logits(hidden)  # [B, V]
+        argmax = draft_logits.argmax(-1).tolist()  # [B]
         for b, state in enumerate(states):
-            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j)
+            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j, argmax[b])
             drafts[b].append(token)
             probs[b].append(q)
         if j < k - 1:  # MTP position n + j takes (d_j, its own previous output)
@@ -119,10 +121,11 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int) -> 
     verify_items = [ExtendItem(s.held.table, [s.last_token] + d) for s, d in zip(states, drafts)]
     hidden = runner.extend(verify_items).view(len(states), k + 1, -1)  # [B, k+1, D]
     logits = model.logits(hidden)  # [B, k+1, V]
+    argmax = logits.argmax(-1).tolist()  # [B, k+1]
     extend_items, extend_rows, extend_starts, extended = [], [], [], []
     for b, (state, n) in enumerate(zip(states, starts)):
         params = state.held.sampling
-        accepted, tokens = verify(logits[b], drafts[b], probs[b], params, eos_ids, state.index)
+        accepted, tokens = verify(logits[b], drafts[b], probs[b], params, eos_ids, state.index, argmax[b])
         state.out.drafted += k
         for j in range(accepted):
             state.out.accepted_per_position[j] += 1

@@ -61,6 +61,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int
 
 def draw(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF draw from probs [V] (need not sum to 1) with the uniform u in [0, 1)."""
+    probs = probs.cpu()
     cdf = probs.double().cumsum(-1)  # [V]
     index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
     index = min(index, probs.shape[-1] - 1)
@@ -69,21 +70,23 @@ def draw(probs: torch.Tensor, u: float) -> int:
     return index
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int) -> int:
-    """Output token number `index` from logits [V]."""
+def sample(
+    logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None
+) -> int:
+    """Output token number `index` from logits [V]; `argmax` of the logits when the caller has it (batched)."""
     blocked = blocked_ids(params, eos_ids, index)
     if params.greedy and not blocked:
-        return int(logits.argmax())
+        return int(logits.argmax()) if argmax is None else argmax
     probs = target_probs(logits, params, blocked)
     return int(probs.argmax()) if params.greedy else draw(probs, uniform(params.seed, index, SLOT_TARGET))
 
 
 def draft_token(
-    draft_logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int
+    draft_logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None
 ) -> tuple[int, torch.Tensor | None]:
     """The draft's proposal for output `index`: (token, q [V]); q is None when greedy (argmax, no q needed)."""
     if params.greedy:
-        return int(draft_logits.argmax()), None
+        return (int(draft_logits.argmax()) if argmax is None else argmax), None
     q = target_probs(draft_logits, params, blocked_ids(params, eos_ids, index))
     return draw(q, uniform(params.seed, index, SLOT_DRAFT)), q
 
@@ -95,16 +98,19 @@ def verify(
     params: SamplingParams,
     eos_ids: tuple[int, ...],
     index: int,
+    argmax: list[int] | None = None,
 ) -> tuple[int, list[int]]:
     """target_logits [k+1, V] at the verified positions -> (accepted drafts m, the m + 1 output tokens).
 
     Row j scores output number index + j; drafts[j] was proposed for it with distribution draft_probs[j].
+    `argmax` [k+1]: the rows' argmax when the caller computed them batched.
     """
+    argmax = argmax or [None] * len(target_logits)
     tokens = []
     for j, (draft, q) in enumerate(zip(drafts, draft_probs)):
         blocked = blocked_ids(params, eos_ids, index + j)
         if params.greedy:
-            target = sample(target_logits[j], params, eos_ids, index + j)
+            target = sample(target_logits[j], params, eos_ids, index + j, argmax[j])
             if target != draft:
                 return j, tokens + [target]
             tokens.append(draft)
@@ -117,7 +123,7 @@ def verify(
         residual = residual if float(residual.sum()) > 0 else p
         return j, tokens + [draw(residual, uniform(params.seed, index + j, SLOT_TARGET))]
     k = len(drafts)
-    return k, tokens + [sample(target_logits[k], params, eos_ids, index + k)]
+    return k, tokens + [sample(target_logits[k], params, eos_ids, index + k, argmax[k])]
 
 
 def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> tuple[int, float, tuple]:
