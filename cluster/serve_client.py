@@ -60,4 +60,18 @@ class ServeEngineClient:
         return merge_metrics_text(texts)
 
     async def check_health(self) -> None:
-        await self.handle.broadcast("check_health").results_async(timeout_s=BROADCAST_TIMEOUT_S)
+        """Raises one line per failing replica (the replica's own error, without Ray's remote traceback)."""
+        try:
+            results = await self.handle.broadcast("check_health").results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                                 return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - no replica could be asked (none running, or the call failed)
+            raise RuntimeError(f"engine replicas unreachable: {one_line(exc)}") from None
+        failures = [one_line(result) for result in results if isinstance(result, BaseException)]
+        if not results or failures:
+            raise RuntimeError("; ".join(failures) or "no engine replica is running")
+
+
+def one_line(error: BaseException) -> str:
+    cause = getattr(error, "cause", None) or error  # a RayTaskError carries the replica's exception as `cause`
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"

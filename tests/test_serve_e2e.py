@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -58,7 +59,7 @@ def server(tmp_path_factory):
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
     wait_until_ready(process, base_url, log_path)
-    yield base_url, log_path
+    yield base_url, log_path, process.pid
     process.send_signal(signal.SIGINT)
     try:
         assert process.wait(timeout=90) == 0, log_path.read_text()[-4000:]
@@ -206,3 +207,42 @@ def test_wrong_api_key_is_401_and_each_request_is_logged(server):
     assert response.status_code == 401 and response.json()["error"]["message"]
     time.sleep(1)  # the log line travels from the ingress replica through Ray to the server's output
     assert "dsa_serve.access" in server[1].read_text() and " GET /v1/models 401 " in server[1].read_text()
+
+
+def rank_worker_pids(server_pid: int) -> list[int]:
+    """The CPWorker processes under this server's local Ray (its raylet is a child of the server process)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [server_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            if b"ray::CPWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_dead_rank_fails_health_and_serve_replaces_the_replica(client, server):
+    base_url, _, server_pid = server
+    workers = rank_worker_pids(server_pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while (health := httpx.get(f"{base_url}/health", timeout=60)).status_code == 200:
+        assert time.monotonic() < deadline, "/health stayed 200 with a dead rank actor"
+        time.sleep(0.5)
+    assert health.status_code == 503 and "\n" not in health.json()["error"]["message"]
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base_url}/health", timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the engine replica was not replaced within 120 s"
+        time.sleep(1)
+    assert len(rank_worker_pids(server_pid)) == 2
+    assert greedy(client, PROMPTS[0], max_tokens=2).finish_reason in ("length", "stop")
