@@ -16,7 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 HELD_OUT_EVERY = 20  # every 20th file of the sorted list is held out
-EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+# Left out: installed packages, tests, and generated data (codec tables, pydoc topic dumps) whose
+# repetitive literals would dominate a small model's training.
+EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__",
+                 "encodings", "pydoc_data"}
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ A small DeepSeek-V3.2-format (`deepseek_v32`) model with DSA sparse attention (l
 {card['index_topk']}) and one MTP layer, trained on this machine from the Python standard library sources. It completes
 Python code; it exists so `make serve` shows CP prefill and speculative decoding on real text.
 
-- Corpus: the running interpreter's stdlib `*.py` files (tests, idlelib, lib2to3 and site-packages left out),
+- Corpus: the running interpreter's stdlib `*.py` files (tests, idlelib, lib2to3,
+  site-packages and the generated data tables of encodings/ and pydoc_data/ left out),
   sorted; every {HELD_OUT_EVERY}th file is held out.
 - Tokenizer: byte-level BPE (`tokenizers`), vocabulary {train["recipe"]["vocab_size"]}.
 - Training: {train["steps"]} steps of {train["recipe"]["batch_size"]}×{train["recipe"]["seq_len"]} tokens

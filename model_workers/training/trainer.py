@@ -86,9 +86,9 @@ def train_tiny(out_dir: str | Path, minutes: float = 40.0, steps: int | None = N
     log = {"recipe": asdict(recipe), "train_tokens_available": train_stream.numel(), "evals": []}
     total_steps = steps or CALIBRATION_STEPS + 1
     bar = tqdm(desc="train-tiny", unit="step")
-    started, step, calibration_start = time.monotonic(), 0, None
+    started, step, calibration_start, sparse_start = time.monotonic(), 0, None, None
     while step < total_steps:
-        sparse = step >= recipe.dense_fraction * total_steps and step >= CALIBRATION_STEPS
+        sparse = sparse_start is not None or (step >= recipe.dense_fraction * total_steps and step >= CALIBRATION_STEPS)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step, total_steps)
         windows = sample_windows(train_stream, recipe.batch_size, recipe.seq_len + 3, data_rng)
@@ -101,10 +101,14 @@ def train_tiny(out_dir: str | Path, minutes: float = 40.0, steps: int | None = N
         step += 1
         if step == 1:
             calibration_start = time.monotonic()
-        if steps is None and step == CALIBRATION_STEPS:
-            per_step = (time.monotonic() - calibration_start) / (step - 1)
+        if sparse and sparse_start is None:
+            sparse_start = (step, time.monotonic())
+        recalibrate = sparse_start is not None and step == sparse_start[0] + CALIBRATION_STEPS
+        if steps is None and (step == CALIBRATION_STEPS or recalibrate):  # sparse steps cost more than dense
+            first_step, first_time = sparse_start if recalibrate else (1, calibration_start)
+            per_step = (time.monotonic() - first_time) / (step - first_step)
             remaining = minutes * 60 - (time.monotonic() - started)
-            total_steps = max(step + 1, step + int(remaining * 0.9 / (per_step * 1.03)))  # 3%: held-out evals
+            total_steps = max(step + 1, step + int(remaining * 0.92 / (per_step * 1.03)))  # 3%: held-out evals
             bar.total = total_steps
         bar.update(1)
         bar.set_postfix(lm=f"{losses.lm.item():.3f}", mtp=f"{losses.mtp.item():.3f}", kl=f"{losses.indexer_kl.item():.3f}",
