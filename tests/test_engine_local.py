@@ -74,17 +74,17 @@ def check_same_as_alone(results: list[dict], alone: list[dict], expected_texts: 
 
 
 def test_64_concurrent_requests_match_their_runs_alone(default_model):
-    lens = [1 + (i * 37) % 70 for i in range(64)]  # up to 70 tokens: many longer than the budget (chunked)
-    requests = make_requests(lens, [2 + i % 8 for i in range(64)], 6000, prompt_seed=2, temperature=0.0, ignore_eos=True)
+    lens = [1 + (i * 37) % 60 for i in range(64)]  # up to 60 tokens: many longer than the budget (chunked)
+    requests = make_requests(lens, [2 + i % 6 for i in range(64)], 6000, prompt_seed=2, temperature=0.0, ignore_eos=True)
     lone = local_engine(default_model, options(0))
     alone = [run_all(lone, [req])[0] for req in requests]
     requests, expected = with_stops(requests, alone)
     engine = local_engine(default_model, options(2))
     check_same_as_alone(run_all(engine, requests), alone, expected, requests)
     assert engine.free_pages == [128] and not engine.scheduler.sequences
-    small = local_engine(default_model, options(2, num_pages=28))  # 224 token slots: forces preemption
+    small = local_engine(default_model, options(2, num_pages=14))  # 112 token slots: forces preemption
     check_same_as_alone(run_all(small, requests), alone, expected, requests)
-    assert small.stats.preemptions > 0 and small.free_pages == [28]
+    assert small.stats.preemptions > 0 and small.free_pages == [14]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(default_model):
