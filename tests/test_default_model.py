@@ -10,15 +10,32 @@ import tokenize
 import pytest
 import torch
 
-from model_workers.generation import PACKAGED_MODEL_DIR, LocalGenerator
+from cluster.engine_launch import EngineOptions, run_all, start_local_engine
+from cluster.engine_protocol import EngineRequest
+from model_workers.generation import PACKAGED_MODEL_DIR
+from model_workers.tokenizer import encode, load_tokenizer
 from model_workers.training.model_card import CARD_FILES
 
 HELD_OUT_PROMPTS = ["def __init__(self", "import os\n\n\ndef main(argv):\n    ", "class Reader:\n    def read(self, size"]
 
 
+class Greedy:
+    """The in-process engine on the default model, greedy."""
+
+    def __init__(self):
+        self.engine = start_local_engine(PACKAGED_MODEL_DIR, EngineOptions(num_pages=64, page_size=64))
+        self.tokenizer = load_tokenizer(PACKAGED_MODEL_DIR)
+
+    def encode(self, text: str) -> list[int]:
+        return encode(self.tokenizer, text)
+
+    def generate(self, ids: list[int], max_tokens: int) -> dict:
+        return run_all(self.engine, [EngineRequest("r", tuple(ids), max_tokens, temperature=0.0)])[0]
+
+
 @pytest.fixture(scope="module")
 def generator():
-    return LocalGenerator.from_checkpoint(None, num_pages=64, page_size=64)
+    return Greedy()
 
 
 def test_shipped_files_match_the_model_card():

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from model_workers.generation import LocalGenerator
+from cluster.engine_launch import EngineOptions, run_all, start_local_engine
+from cluster.engine_protocol import EngineRequest
 from model_workers.kv_cache import PageTable
 from model_workers.loader import load_model
 from model_workers.runner import ExtendItem, ModelRunner
@@ -66,13 +67,14 @@ def reference_greedy(ref, ids: list[int], count: int) -> list[int]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_decode_matches_reference_generate(reference_checkpoint, kind):
     ref, folder = reference_checkpoint(kind)
-    generator = LocalGenerator.from_checkpoint(folder, num_pages=16, page_size=8)
+    engine = start_local_engine(folder, EngineOptions(num_pages=16, page_size=8))
     for seed, length in [(5, 30), (6, 9)]:
         ids = prompt(length, seed)
         expected = reference_greedy(ref, ids, 32)
-        assert generator.generate(ids, 32)["token_ids"] == expected
+        (ours,) = run_all(engine, [EngineRequest(f"r{seed}", tuple(ids), 32, temperature=0.0)])
+        assert ours["token_ids"] == expected
         assert len(expected) == 32
-    assert generator.runner.cache.allocator.num_free == 16
+    assert engine.free_pages == [16]
 
 
 def test_cli_generate_json_matches_reference(reference_checkpoint):
