@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 
 PROMPTS = (
@@ -40,6 +41,20 @@ def int_list(text: str, flag: str, low: int, high: int) -> list[int]:
     if not all(low <= v <= high for v in values):
         raise ValueError(f"{flag} values must be in {low}..{high}, got {text!r}")
     return values
+
+
+def spelled_command(kind: str, args: argparse.Namespace, names: tuple[str, ...]) -> str:
+    """`dsa-serve bench KIND --flag value ...` with every setting in `names` spelled out (flags set to True
+    appear bare, False / None ones are left out) and --json: the command that reproduces the result."""
+    words = ["dsa-serve", "bench", kind]
+    for name in names:
+        value = getattr(args, name)
+        if value is None or value is False:
+            continue
+        words.append("--" + name.replace("_", "-"))
+        if value is not True:
+            words.append(str(value))
+    return shlex.join(words + ["--json"])
 
 
 def formula(a: float, k: int) -> float:

@@ -120,3 +120,5 @@ class StepResult:
     kv_comm_bytes: int = 0  # part of comm_bytes moved by the per-layer KV / indexer-key gathers
     num_collectives: int = 0
     free_pages: int = 0  # the rank's free KV pages after the step
+    prefill_phase_s: dict[str, float] = field(default_factory=dict)  # prefill time by phase (PhaseClock)
+    peak_rss_bytes: int = 0  # the worker process's peak resident memory so far

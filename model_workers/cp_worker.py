@@ -8,7 +8,9 @@ them (target and MTP KV) and decodes it alone, with no collectives.
 
 from __future__ import annotations
 
+import resource
 import time
+
 import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
@@ -18,6 +20,7 @@ from .cp_backend import CPBackend
 from .cp_prefill import PrefillContext, run_prefill
 from .kv_cache import OutOfPages, PageTable
 from .loader import load_model
+from .phase_clock import PhaseClock
 from .decode_loop import DecodeState, HeldRequest, run_decode
 from .runner import ModelRunner
 
@@ -62,7 +65,10 @@ class CPWorker:
         result = StepResult(cp_rank=self.cp_rank)
         self.free(list(plan.free))
         if plan.prefill is not None:
-            result.outputs.update(self._prefill(plan.prefill, plan.return_logits))
+            clock = PhaseClock()
+            with clock.attached(self.runner.model, self.backend):
+                result.outputs.update(self._prefill(plan.prefill, plan.return_logits))
+            prefill_wall_s = time.perf_counter() - start
         if plan.decode:
             result.outputs.update(self._decode(plan))
         wall_s = time.perf_counter() - start
@@ -71,6 +77,9 @@ class CPWorker:
         result.comm_bytes, result.kv_comm_bytes = stats.total_bytes, stats.bytes_by_tag.get("kv", 0)
         result.compute_s, result.cpu_s = wall_s - stats.seconds, time.process_time() - cpu_start
         result.free_pages = self.runner.cache.allocator.num_free
+        result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        if plan.prefill is not None:
+            result.prefill_phase_s = clock.split(prefill_wall_s, stats.seconds)
         return result
 
     def free(self, request_ids: list[str]) -> None:
@@ -82,6 +91,10 @@ class CPWorker:
 
     def free_pages(self) -> int:
         return self.runner.cache.allocator.num_free
+
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token occupies on this rank, over every cache layer (target + MTP)."""
+        return self.runner.cache.bytes_per_token()
 
     def held_requests(self) -> list[str]:
         return sorted(self.held)

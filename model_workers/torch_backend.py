@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import PagedKVCache
-from .model.sparse_ops import causal_topk, sparse_mla_attention
+from .model.sparse_ops import batched_causal_topk, causal_topk, sparse_mla_attention
+
+BATCHED_TOPK_MAX_ROWS = 16  # requests with at most this many new rows each share one top-k pass
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,17 @@ class TorchBackend:
             store[slots] = index_key.to(store.dtype)
 
     def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
-        batch, keys_store = self.batch, self.cache.index_keys[layer_id]
+        batch = self.batch
         width = min(topk, max((len(s) for s in batch.key_slots), default=0))
         out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=index_q.device)
+        if len(batch.request_rows) > 1 and max(len(r) for r in batch.request_rows) <= BATCHED_TOPK_MAX_ROWS:
+            self._select_batched(layer_id, index_q, index_weights, topk, out)
+        else:
+            self._select_per_request(layer_id, index_q, index_weights, topk, out)
+        return out
+
+    def _select_per_request(self, layer_id, index_q, index_weights, topk, out) -> None:
+        batch, keys_store = self.batch, self.cache.index_keys[layer_id]
         for rows, key_slots in zip(batch.request_rows, batch.key_slots):
             if rows.numel() == 0:
                 continue
@@ -58,9 +68,30 @@ class TorchBackend:
             )  # [n, k_r]
             picked_slots = torch.where(key_positions >= 0, key_slots[key_positions.clamp_min(0)], -1)
             out[rows, : picked_slots.shape[1]] = picked_slots
-        return out
+
+    def _select_batched(self, layer_id, index_q, index_weights, topk, out) -> None:
+        """Few rows per request (decode / verify): requests padded to the longest and scored together."""
+        batch, device = self.batch, index_q.device
+        row_ids = pad_rows([r for r in batch.request_rows], -1, device)  # [B, n] rows into [T], -1 = pad
+        key_slots = pad_rows(list(batch.key_slots), 0, device)  # [B, K] (pads lie past every position)
+        positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
+        safe_rows = row_ids.clamp_min(0)
+        keys = self.cache.index_keys[layer_id][key_slots]  # [B, K, D]
+        key_positions = batched_causal_topk(index_q[safe_rows], index_weights[safe_rows], keys, positions, topk)
+        picked = torch.where(key_positions >= 0, key_slots.gather(1, key_positions.clamp_min(0).flatten(1))
+                             .view_as(key_positions), -1)  # [B, n, k] slots
+        real = row_ids >= 0
+        out[row_ids[real], : picked.shape[2]] = picked[real]
 
     def attend(
         self, layer_id: int, q_latent: torch.Tensor, q_pe: torch.Tensor, topk_ids: torch.Tensor, scale: float
     ) -> torch.Tensor:
         return sparse_mla_attention(q_latent, q_pe, self.cache.latent[layer_id], topk_ids, scale)
+
+
+def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
+    """1-D index tensors -> [len(rows), longest] padded with `fill`."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return out

@@ -5,28 +5,12 @@ zigzag: max - min <= 2L; interleave: <= L; a contiguous split: about L^2 / C.
 """
 
 import pytest
-import torch
-
 from cp_router import CP_IMPLS, build_cp_metadata, can_split
+from cp_router.balance import causal_work_per_rank as rank_work
+from cp_router.balance import contiguous_causal_work as contiguous_work
 
 LENGTHS = [2, 7, 16, 17, 25, 63, 100, 255, 256, 299, 300]
 BOUND_IN_L = {"zigzag": 2, "interleave": 1}
-
-
-def rank_work(meta):
-    """[C] causal work per rank, read from the metadata's key ranges (logical rows only)."""
-    work = []
-    for cp_rank in range(meta.cp_size):
-        logical = meta.per_rank_logical_token[cp_rank]
-        ranges = meta.key_end_local[cp_rank][:logical] - meta.key_start_local[cp_rank][:logical]  # [T_logical]
-        work.append(int(ranges.sum()))
-    return work
-
-
-def contiguous_work(extend_len, cp_size):
-    """[C] causal work per rank when rank r takes the r-th contiguous chunk of the request."""
-    chunks = torch.tensor_split(torch.arange(extend_len), cp_size)
-    return [int((chunk + 1).sum()) for chunk in chunks]
 
 
 @pytest.mark.parametrize("impl", CP_IMPLS)

@@ -19,8 +19,8 @@ def commands(reference_checkpoint):
     cli = [sys.executable, "-m", "cluster.cli"]
     generate = cli + ["generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)),
                       "--max-tokens", "10", "--cp-size", "2", "--cp-strategy", "interleave", "--json"]
-    bench = cli + ["bench", "prefill", "--model", str(folder), "--cp-size", "2", "--prompt-len", "64",
-                   "--dtype", "float32", "--repeats", "1", "--warmup", "0", "--json"]
+    bench = cli + ["bench", "prefill", "--model", str(folder), "--cp-size", "2", "--prompt-len", "64,96",
+                   "--dtype", "float32", "--repeats", "1", "--json"]
     running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in (generate, bench)]
     outputs = []
     for process in running:
@@ -37,19 +37,31 @@ def test_generate_with_cp_size_matches_transformers(commands):
     assert (result["cp_size"], result["cp_strategy"], result["cp_impl"]) == (2, "interleave", "v2")  # auto -> v2
 
 
-def test_bench_prefill_reports_measured_bytes_next_to_the_formula(commands):
-    _, _, _, bench = commands
-    cp1, cp2 = bench["runs"]
-    assert (cp1["cp_size_used"], cp2["cp_size_used"]) == (1, 2)
-    assert cp2["per_rank_logical_token"] == [32, 32]
-    # 64 tokens split evenly: each rank receives exactly (C-1)/C of every layer's latent + indexer key
-    config = json.loads((commands[1] / "config.json").read_text())
+def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(commands):
+    _, folder, _, bench = commands
+    config = json.loads((folder / "config.json").read_text())
     per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"] + config["index_head_dim"]) * 4
-    assert bench["formula_kv_bytes_per_rank"] == 0.5 * 64 * 4 * per_token  # 3 target layers + 1 MTP layer
-    assert cp2["kv_comm_bytes_per_rank"] == [bench["formula_kv_bytes_per_rank"]] * 2
-    assert cp1["kv_comm_bytes_per_rank"] == [0] and cp1["collectives_per_rank"] == [0]
-    assert bench["speedup_vs_cp1"] == pytest.approx(cp1["wall_s"] / cp2["wall_s"])
-    assert all(t > 0 for t in cp2["per_rank_compute_s"]) and cp2["compute_imbalance_max_over_mean"] >= 1
+    assert bench["formula_kv_bytes_per_token"] == 4 * per_token  # 3 target layers + 1 MTP layer
+    assert bench["measured_kv_bytes_per_token"] == bench["formula_kv_bytes_per_token"]
+    assert [e["prompt_len"] for e in bench["lengths"]] == [64, 96]
+    for entry in bench["lengths"]:
+        single, equal, ranks = entry["runs"]
+        assert (single["cp_size_used"], equal["cp_size_used"], ranks["cp_size_used"]) == (1, 1, 2)
+        assert (single["threads_per_rank"], equal["threads_per_rank"]) == (1, 2)
+        # the prompt split evenly: each rank receives exactly (C-1)/C of every layer's latent + indexer key
+        assert entry["formula_kv_bytes_per_rank"] == 0.5 * entry["prompt_len"] * 4 * per_token
+        assert ranks["kv_comm_bytes_per_rank"] == [entry["formula_kv_bytes_per_rank"]] * 2
+        assert single["kv_comm_bytes_per_rank"] == [0]
+        assert entry["strong_scaling_efficiency"] == pytest.approx(single["wall_s"] / (2 * ranks["wall_s"]))
+        assert entry["equal_cores_ratio"] == pytest.approx(equal["wall_s"] / ranks["wall_s"])
+        assert all(t > 0 for t in entry["per_rank_compute_s"]) and entry["compute_imbalance_max_over_mean"] >= 1
+        modeled = entry["modeled_causal_work_imbalance"]
+        assert modeled["zigzag"] < modeled["contiguous"] and modeled["interleave"] < modeled["contiguous"]
+        for phases in entry["per_rank_phase_s"]:
+            assert set(phases) == {"indexer", "attention", "mlp", "communication", "other"}
+            assert phases["indexer"] > 0 and phases["mlp"] > 0 and phases["communication"] > 0
+        assert entry["c1_phase_s"]["communication"] == 0
+        assert all(rss > 100 * 2**20 for rss in entry["peak_rss_bytes_per_rank"])  # a real process's RSS
 
 
 @pytest.mark.parametrize(
@@ -57,7 +69,7 @@ def test_bench_prefill_reports_measured_bytes_next_to_the_formula(commands):
     [
         (["generate", "--prompt-ids", "5,6", "--cp-size", "0"], "cp_size"),
         (["generate", "--prompt-ids", "5,6,500", "--cp-size", "2"], "outside the vocabulary"),
-        (["bench", "prefill", "--cp-size", "2", "--prompt-len", "0"], "--prompt-len must be >= 1"),
+        (["bench", "prefill", "--cp-size", "2", "--prompt-len", "0"], "--prompt-len values must be in 1..1048576"),
     ],
 )
 def test_cp_flag_errors_are_one_line(commands, capsys, argv, message):

@@ -37,26 +37,55 @@ def causal_topk(
     index_q [T, H, D]; index_weights [T, H]; keys [K, D] (row s = key at position s);
     query_positions [T]. Returns [T, min(topk, K)] int64 key positions, -1 where a query has fewer
     causal keys. Queries with at most `topk` causal keys take all of them in position order.
+    Each query chunk scores only the keys up to its last query's position (causal work only).
     """
     num_keys = keys.shape[0]
     width = min(topk, num_keys)
     out = torch.full((index_q.shape[0], width), -1, dtype=torch.long, device=keys.device)
     chunk = rows_per_chunk(index_q.shape[1] * num_keys * 4, budget_bytes)
-    key_positions = torch.arange(num_keys, device=keys.device)
+    keys_float = keys.float()
     for start in range(0, index_q.shape[0], chunk):
         rows = slice(start, start + chunk)
         positions = query_positions[rows]
-        scores = indexer_scores(index_q[rows], index_weights[rows], keys)  # [Tc, K]
-        future = key_positions[None, :] > positions[:, None]  # [Tc, K]
-        scores.masked_fill_(future, float("-inf"))
-        picked = scores.topk(width, dim=-1).indices  # [Tc, width]
-        picked = torch.where(torch.isinf(scores.gather(1, picked)), -1, picked)
-        short = positions < width  # every causal key fits: take them all, in position order
-        if short.any():
-            all_keys = key_positions[:width].expand(int(short.sum()), width)
-            picked[short] = torch.where(all_keys <= positions[short][:, None], all_keys, -1)
-        out[rows] = picked
+        visible = min(num_keys, int(positions.max()) + 1)  # keys past the chunk's last query never count
+        scores = indexer_scores(index_q[rows], index_weights[rows], keys_float[:visible])  # [Tc, K']
+        out[rows, : min(width, visible)] = pick_causal(scores, positions, width)
     return out
+
+
+def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """scores [Tc, K'] over key positions 0..K'-1 -> [Tc, min(width, K')] picked positions, -1 = none."""
+    key_positions = torch.arange(scores.shape[1], device=scores.device)
+    scores.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
+    width = min(width, scores.shape[1])
+    picked = scores.topk(width, dim=-1).indices  # [Tc, width]
+    picked = torch.where(torch.isinf(scores.gather(1, picked)), -1, picked)
+    short = positions < width  # every causal key fits: take them all, in position order
+    if short.any():
+        all_keys = key_positions[:width].expand(int(short.sum()), width)
+        picked[short] = torch.where(all_keys <= positions[short][:, None], all_keys, -1)
+    return picked
+
+
+def batched_causal_topk(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    """`causal_topk` for B requests with a few query rows each (decode, verification), in one pass.
+
+    index_q [B, n, H, D]; index_weights [B, n, H]; keys [B, K, D] (request b's key at position s in row
+    s, rows past its length are ignored because they lie past every query's position); query_positions
+    [B, n] (-1 marks a padding row). Returns [B, n, min(topk, K)] key positions, -1 = none.
+    """
+    num_requests, num_rows = query_positions.shape
+    dots = torch.einsum("bnhd,bkd->bnhk", index_q.float(), keys.float())  # [B, n, H, K]
+    scores = torch.einsum("bnhk,bnh->bnk", dots.clamp_min_(0), index_weights.float())  # [B, n, K]
+    flat_positions = query_positions.reshape(-1)  # [B*n]
+    picked = pick_causal(scores.view(num_requests * num_rows, -1), flat_positions, topk)
+    return picked.view(num_requests, num_rows, -1)
 
 
 def sparse_mla_attention(

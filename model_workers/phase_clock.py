@@ -1,0 +1,82 @@
+"""Where a prefill's time goes: indexer, attention, MLP / MoE, communication, the rest.
+
+`PhaseClock.attached(model, backend)` times module forwards with hooks and the backend's top-k and KV
+store calls by wrapping them, for the duration of a `with` block; nothing is left installed afterwards.
+Times are host wall clock, which equals device time on CPU (synchronous); on CUDA they measure launch
+time only unless the caller synchronizes, so the split is a CPU measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+from torch import nn
+
+from .model.attention import Indexer, MLAttention
+from .model.layers import MLP, MoE
+
+PHASES = ("indexer", "attention", "mlp", "communication", "other")
+
+
+class PhaseClock:
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)  # raw totals: indexer, attention_total, kv_store, mlp
+        self._starts: dict[int, float] = {}
+
+    @contextlib.contextmanager
+    def attached(self, model: nn.Module, backend):
+        handles = []
+        nested = {id(m.shared_experts) for m in model.modules() if isinstance(m, MoE)}  # timed with their MoE
+        for module in model.modules():
+            kind = phase_of(module)
+            if kind is not None and id(module) not in nested:
+                handles.append(module.register_forward_pre_hook(self._start_hook))
+                handles.append(module.register_forward_hook(self._stop_hook(kind)))
+        originals = {name: getattr(backend, name) for name in ("select_topk", "store_kv")}
+        backend.select_topk = self._timed(originals["select_topk"], "indexer")
+        backend.store_kv = self._timed(originals["store_kv"], "kv_store")
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            for name in originals:
+                delattr(backend, name)  # back to the class's method
+
+    def split(self, wall_s: float, comm_s: float) -> dict[str, float]:
+        """Seconds per phase of `PHASES`: attention excludes its indexer and KV store (gathers) calls;
+        communication is every collective of the step (`comm_s`); other is what is left of `wall_s`."""
+        indexer = self.seconds["indexer"]
+        attention = self.seconds["attention_total"] - indexer - self.seconds["kv_store"]
+        parts = {"indexer": indexer, "attention": attention, "mlp": self.seconds["mlp"], "communication": comm_s}
+        parts["other"] = max(0.0, wall_s - sum(parts.values()))
+        return parts
+
+    def _start_hook(self, module, args):
+        self._starts[id(module)] = time.perf_counter()
+
+    def _stop_hook(self, kind: str):
+        def hook(module, args, output):
+            self.seconds[kind] += time.perf_counter() - self._starts.pop(id(module))
+        return hook
+
+    def _timed(self, method, kind: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - start
+        return timed
+
+
+def phase_of(module: nn.Module) -> str | None:
+    if isinstance(module, Indexer):
+        return "indexer"
+    if isinstance(module, MLAttention):
+        return "attention_total"
+    if isinstance(module, (MoE, MLP)):
+        return "mlp"
+    return None
