@@ -33,6 +33,13 @@ class EngineStats:
     decode_calls: int = 0  # (step, rank) pairs that decoded: divides `drafted` / k into verify steps
     step_wall_s: float = 0.0
     worker_compute_s: float = 0.0  # max over ranks of each step's compute time, summed
+    # Decode-only steps (no prefill in the step): engine time from the previous step's end, and the time
+    # of the slowest rank's model forwards; 1 - model / wall is the per-step engine overhead.
+    decode_only_steps: int = 0
+    decode_only_wall_s: float = 0.0
+    decode_only_model_s: float = 0.0
+    decode_model_s: dict[str, float] = field(default_factory=dict)  # plain / draft / verify, summed over ranks
+    decode_loop_steps: dict[str, int] = field(default_factory=dict)  # plain / speculative, summed over ranks
 
 
 class DSAEngine:
@@ -46,6 +53,7 @@ class DSAEngine:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._last_progress = time.monotonic()
+        self._last_step_end = 0.0
 
     # EngineClient ---------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -140,11 +148,14 @@ class DSAEngine:
             if reason is not None:
                 self.scheduler.finish(request_id)
                 self.streams.pop(request_id, None)
-        self._record(step, results, outputs, time.perf_counter() - start)
+        end = time.perf_counter()
+        self._record(step, results, outputs, end - start, end - max(start, self._last_step_end))
+        self._last_step_end = end
 
-    def _record(self, step, results, outputs, wall_s: float) -> None:
+    def _record(self, step, results, outputs, wall_s: float, since_last_s: float) -> None:
         stats, self._last_progress = self.stats, time.monotonic()
         stats.steps, stats.step_wall_s = stats.steps + 1, stats.step_wall_s + wall_s
+        record_decode_time(stats, step, results, since_last_s)
         stats.preemptions += len(step.preempted)
         stats.worker_compute_s += max(r.compute_s for r in results)
         for result in results:
@@ -176,3 +187,17 @@ class DSAEngine:
             stream.fail(RuntimeError(f"engine step failed: {error!r}"))
             self.scheduler.finish(request_id)
         self.streams.clear()
+
+
+def record_decode_time(stats: EngineStats, step, results, since_last_s: float) -> None:
+    """Model-forward time of the step's decode batches; decode-only steps also count toward the overhead."""
+    for result in results:
+        for phase, seconds in result.decode_model_s.items():
+            stats.decode_model_s[phase] = stats.decode_model_s.get(phase, 0.0) + seconds
+        for phase, count in result.decode_steps.items():
+            stats.decode_loop_steps[phase] = stats.decode_loop_steps.get(phase, 0) + count
+    if any(plan.prefill is not None for plan in step.plans.values()):
+        return
+    stats.decode_only_steps += 1
+    stats.decode_only_wall_s += since_last_s
+    stats.decode_only_model_s += max(sum(r.decode_model_s.values()) for r in results)

@@ -122,3 +122,5 @@ class StepResult:
     free_pages: int = 0  # the rank's free KV pages after the step
     prefill_phase_s: dict[str, float] = field(default_factory=dict)  # prefill time by phase (PhaseClock)
     peak_rss_bytes: int = 0  # the worker process's peak resident memory so far
+    decode_model_s: dict[str, float] = field(default_factory=dict)  # decode forwards: plain / draft / verify
+    decode_steps: dict[str, int] = field(default_factory=dict)  # decode steps run: plain / speculative

@@ -21,7 +21,7 @@ from .cp_prefill import PrefillContext, run_prefill
 from .kv_cache import OutOfPages, PageTable
 from .loader import load_model
 from .phase_clock import PhaseClock
-from .decode_loop import DecodeState, HeldRequest, run_decode
+from .decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from .runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -69,8 +69,11 @@ class CPWorker:
             with clock.attached(self.runner.model, self.backend):
                 result.outputs.update(self._prefill(plan.prefill, plan.return_logits))
             prefill_wall_s = time.perf_counter() - start
+            phases = clock.split(prefill_wall_s, self.comm.stats.seconds)
         if plan.decode:
-            result.outputs.update(self._decode(plan))
+            clock = DecodeClock()
+            result.outputs.update(self._decode(plan, clock))
+            result.decode_model_s, result.decode_steps = dict(clock.seconds), dict(clock.steps)
         wall_s = time.perf_counter() - start
         stats = self.comm.reset_stats()
         result.comm_s, result.num_collectives = stats.seconds, stats.calls
@@ -79,7 +82,7 @@ class CPWorker:
         result.free_pages = self.runner.cache.allocator.num_free
         result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         if plan.prefill is not None:
-            result.prefill_phase_s = clock.split(prefill_wall_s, stats.seconds)
+            result.prefill_phase_s = phases
         return result
 
     def free(self, request_ids: list[str]) -> None:
@@ -166,10 +169,10 @@ class CPWorker:
         return [self.held[req.request_id].table for req in shard.requests]
 
     @torch.inference_mode()
-    def _decode(self, plan: StepPlan) -> dict[str, RequestOutput]:
+    def _decode(self, plan: StepPlan, clock: DecodeClock) -> dict[str, RequestOutput]:
         """Owned requests only, no collectives: `plan.num_steps` plain or speculative decode steps."""
         states = [
             DecodeState(item.request_id, self.held[item.request_id], item.token_id, item.num_generated, item.max_new)
             for item in plan.decode
         ]
-        return run_decode(self.runner, states, plan.num_steps, plan.num_speculative_steps, plan.return_logits)
+        return run_decode(self.runner, states, plan.num_steps, plan.num_speculative_steps, plan.return_logits, clock)

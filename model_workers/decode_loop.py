@@ -12,6 +12,9 @@ h_i) and `draft_hidden` is its output at position n-1, which predicts t_{n+1}. O
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -66,11 +69,29 @@ def emit(state: DecodeState, tokens: list[int], rows: torch.Tensor, eos_ids: tup
     return kept
 
 
-def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bool) -> None:
+class DecodeClock:
+    """Seconds inside model forwards (plain / draft / verify, logits included) and step counts."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+
+def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bool, clock: DecodeClock) -> None:
     """One token per request: target forward of [t_n] each, sample."""
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
-    hidden = runner.extend([ExtendItem(s.held.table, [s.last_token]) for s in states])  # [B, D]
-    logits = model.logits(hidden)  # [B, V] float32
+    with clock.timed("plain"):
+        hidden = runner.extend([ExtendItem(s.held.table, [s.last_token]) for s in states])  # [B, D]
+        logits = model.logits(hidden)  # [B, V] float32
+    clock.steps["plain"] += 1
     argmax = logits.argmax(-1).tolist()  # [B]
     for b, state in enumerate(states):
         token = sample(logits[b], state.held.sampling, eos_ids, state.index, argmax[b])
@@ -110,17 +131,20 @@ def draft_chain(
     return drafts, probs
 
 
-def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int) -> None:
+def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clock: DecodeClock) -> None:
     """Draft k, verify k + 1 in one target forward, roll back, draft-extend the accepted tokens."""
     model, cache, eos_ids = runner.model, runner.cache, runner.model.config.eos_token_ids
     starts = [s.held.table.num_tokens for s in states]  # n per request
     for state, n in zip(states, starts):
         cache.reserve(state.held.table, n + k + 1)
     shared = sharing_backend(runner, states)
-    drafts, probs = draft_chain(runner, states, k, shared)
+    with clock.timed("draft"):
+        drafts, probs = draft_chain(runner, states, k, shared)
     verify_items = [ExtendItem(s.held.table, [s.last_token] + d) for s, d in zip(states, drafts)]
-    hidden = runner.extend(verify_items).view(len(states), k + 1, -1)  # [B, k+1, D]
-    logits = model.logits(hidden)  # [B, k+1, V]
+    with clock.timed("verify"):
+        hidden = runner.extend(verify_items).view(len(states), k + 1, -1)  # [B, k+1, D]
+        logits = model.logits(hidden)  # [B, k+1, V]
+    clock.steps["speculative"] += 1
     argmax = logits.argmax(-1).tolist()  # [B, k+1]
     extend_items, extend_rows, extend_starts, extended = [], [], [], []
     for b, (state, n) in enumerate(zip(states, starts)):
@@ -139,7 +163,8 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int) -> 
     if extended:
         if shared is not None:
             shared.reuse = None  # the draft-extend selects its own top-k and records it
-        mtp_hidden = runner.extend_mtp(extend_items, torch.cat(extend_rows), extend_starts, backend=shared)
+        with clock.timed("draft"):
+            mtp_hidden = runner.extend_mtp(extend_items, torch.cat(extend_rows), extend_starts, backend=shared)
         ends = torch.tensor([len(it.token_ids) for it in extend_items]).cumsum(0) - 1  # [B'] last row each
         for state, row in zip(extended, ends.tolist()):
             state.held.draft_hidden = mtp_hidden[row]  # [D]
@@ -147,9 +172,11 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int) -> 
 
 
 def run_decode(
-    runner: ModelRunner, states: list[DecodeState], num_steps: int, k: int, return_logits: bool
+    runner: ModelRunner, states: list[DecodeState], num_steps: int, k: int, return_logits: bool,
+    clock: DecodeClock | None = None,
 ) -> dict[str, RequestOutput]:
     """Up to `num_steps` steps; a request stops early at its budget or a stop id / EOS."""
+    clock = clock or DecodeClock()
     use_mtp = k > 0 and runner.model.num_mtp_layers > 0
     for state in states:
         state.out.accepted_per_position = [0] * (k if use_mtp else 0)
@@ -158,8 +185,8 @@ def run_decode(
         if not active:
             break
         if use_mtp:
-            speculative_step(runner, active, k)
+            speculative_step(runner, active, k, clock)
         else:
-            plain_step(runner, active, return_logits)
+            plain_step(runner, active, return_logits, clock)
     return {s.request_id: s.out for s in states}
 
