@@ -51,6 +51,9 @@ def engine_options(args: ServeAppArgs) -> EngineOptions:
 QUIET = {"enable_access_log": False}
 
 
+ENGINE_MAX_ONGOING = 4096  # engine streams in flight per replica: each HTTP request holds one per choice
+
+
 @serve.deployment(name=ENGINE_DEPLOYMENT, logging_config=QUIET)
 class EngineReplica:
     """One CP group and the `DSAEngine` driving it."""
@@ -119,8 +122,12 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
     """The two deployments bound together; `engine_replicas` overrides DSAEngine's num_replicas."""
     replicas = {} if engine_replicas is None else {"num_replicas": engine_replicas}
     engine = EngineReplica.options(placement_group_bundles=engine_bundles(args),
-                                   placement_group_strategy=args.placement_strategy, **replicas).bind(args)
-    return IngressReplica.bind(engine, args)
+                                   placement_group_strategy=args.placement_strategy,
+                                   max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas).bind(args)
+    # Above the app's own cap, so overload is answered by the app's 429 body rather than queued by Serve
+    # (Serve's default of 5 in flight per replica would serialize a 32-stream load).
+    ingress_cap = 2 * args.ingress.max_ongoing_requests
+    return IngressReplica.options(max_ongoing_requests=ingress_cap).bind(engine, args)
 
 
 def app(args: dict[str, Any]) -> Application:

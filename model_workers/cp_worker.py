@@ -21,6 +21,7 @@ from .cp_prefill import PrefillContext, run_prefill
 from .kv_cache import OutOfPages, PageTable
 from .loader import load_model
 from .phase_clock import PhaseClock
+from .precision import compute_dtype
 from .decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from .runner import ModelRunner
 
@@ -53,11 +54,14 @@ class CPWorker:
         """(Re)loads a checkpoint and a fresh cache; requests held so far are dropped."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        model = load_model(model_dir, dtype=DTYPES[dtype], device=self.device, progress=False)
-        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device)
+        model = load_model(model_dir, dtype=compute_dtype(DTYPES[dtype], self.device), device=self.device,
+                           progress=False)
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
+                                  kv_dtype=DTYPES[dtype])
         self.backend = CPBackend(self.runner.cache)
         self.held = {}
-        return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads()}
+        return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
+                "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")}
 
     def step(self, plan: StepPlan) -> StepResult:
         """Runs this rank's prefill shard (if any), then its decode batch; reports outputs of owned requests."""

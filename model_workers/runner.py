@@ -42,11 +42,13 @@ def build_forward_batch(items: list[ExtendItem], page_size: int, device) -> Forw
 
 
 class ModelRunner:
-    def __init__(self, model: DSAForCausalLM, num_pages: int, page_size: int = 64, device="cpu"):
+    def __init__(self, model: DSAForCausalLM, num_pages: int, page_size: int = 64, device="cpu",
+                 kv_dtype: torch.dtype | None = None):
+        """kv_dtype: the cache's dtype (default: the model's)."""
         config = model.config
         self.model, self.device, self.page_size = model, torch.device(device), page_size
         indexed = [t == "full" for t in config.indexer_types] + [True] * model.num_mtp_layers
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = kv_dtype or model.model.embed_tokens.weight.dtype
         self.cache = PagedKVCache(
             num_pages, page_size, config.latent_dim, config.index_head_dim, indexed, dtype, self.device
         )

@@ -128,3 +128,17 @@ def test_grafana_dashboard_uses_existing_metrics_and_covers_them_all():
     assert used_families == set(METRIC_SPECS)
     assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
     assert all(target["refId"] and target["expr"] for panel in dashboard["panels"] for target in panel["targets"])
+
+
+def test_app_built_without_a_config_file_admits_more_than_serves_default_five():
+    """`dsa-serve serve` builds the app in code: the same caps as serve_config.yaml, not Serve's default 5."""
+    from cluster.serve_app import ENGINE_MAX_ONGOING, build_application, validate_args
+
+    args = validate_args({"ingress": {"max_ongoing_requests": 100}})
+    ingress = build_application(args)._bound_deployment
+    (engine_app,) = ingress.init_args[:1]
+    assert ingress.max_ongoing_requests == 200 > args.ingress.max_ongoing_requests
+    assert engine_app._bound_deployment.max_ongoing_requests == ENGINE_MAX_ONGOING
+    yaml_engine = next(d for d in load_yaml(DEPLOY / "serve_config.yaml")["applications"][0]["deployments"]
+                       if d["name"] == "DSAEngine")
+    assert yaml_engine["max_ongoing_requests"] == ENGINE_MAX_ONGOING

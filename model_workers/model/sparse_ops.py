@@ -108,7 +108,7 @@ def sparse_mla_attention(
     for start in range(0, num_rows, chunk):
         rows = slice(start, start + chunk)
         ids = key_ids[rows]  # [Tc, k]
-        gathered = key_latent[ids.clamp_min(0)]  # [Tc, k, C + R]
+        gathered = key_latent[ids.clamp_min(0)].to(q_latent.dtype)  # [Tc, k, C + R] (cache may be narrower)
         c_kv, k_pe = gathered[..., :latent_dim], gathered[..., latent_dim:]
         scores = torch.einsum("thc,tkc->thk", q_latent[rows], c_kv) + torch.einsum("thr,tkr->thk", q_pe[rows], k_pe)
         scores = scores.float() * scale
