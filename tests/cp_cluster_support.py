@@ -12,6 +12,7 @@ from cluster.config import ResolvedCPConfig
 from cluster.launch import CPEngine, launch_engine
 from model_workers.kv_cache import PagedKVCache, PageTable
 from model_workers.loader import load_model
+from model_workers.precision import compute_dtype
 from model_workers.runner import ExtendItem, ModelRunner
 
 NUM_PAGES, PAGE_SIZE = 64, 8  # 512 token slots per rank
@@ -43,11 +44,12 @@ _EXPECTED: dict[tuple, Expected] = {}
 
 
 def single_process(folder: Path, prompts: list[list[int]], dtype: torch.dtype = torch.float32) -> Expected:
-    """The plain single-process path (ModelRunner.extend + extend_mtp), independent of the CP code."""
+    """The plain single-process path (ModelRunner.extend + extend_mtp), independent of the CP code, with
+    the workers' precision: bf16 weights computed in fp32 on a CPU without native bf16, bf16 KV cache."""
     key = (str(folder), dtype, tuple(map(tuple, prompts)))
     if key not in _EXPECTED:
-        model = load_model(folder, dtype=dtype, progress=False)
-        runner = ModelRunner(model, num_pages=NUM_PAGES, page_size=PAGE_SIZE)
+        model = load_model(folder, dtype=compute_dtype(dtype, "cpu"), progress=False)  # as a CPU worker does
+        runner = ModelRunner(model, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=dtype)
         tables = [PageTable() for _ in prompts]
         hidden = runner.extend([ExtendItem(t, p) for t, p in zip(tables, prompts)])  # [N, D]
         last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [R]
