@@ -2,7 +2,8 @@
 
 The prompts of one concurrency level are cut into batches of `concurrency` prompts, left-padded, and each
 batch runs `generate(do_sample=False, max_new_tokens=M, min_new_tokens=M)`, so every sequence produces exactly
-M tokens as the served requests do. On CPU torch gets as many threads as the server's rank workers use.
+M tokens as the served requests do. On CPU torch gets as many threads as the server's rank workers use,
+and a bf16 run is also measured in float32 (the faster of the two is the baseline, see `baseline_dtypes`).
 Any failure (transformers missing, a checkpoint it cannot load) is reported as skipped with the reason.
 """
 
@@ -62,12 +63,25 @@ def run_baseline(model_dir: Path, level_prompts: dict[int, list[list[int]]], max
         return {"skipped": True, "reason": f"transformers is not importable: {exc}"}
     try:
         torch.set_num_threads(threads)
-        model = load_model(model_dir, dtype, device)
-        generate_batch(model, next(iter(level_prompts.values()))[:1], 2, device)  # warm-up
-        levels = {c: measure_level(model, prompts, c, max_tokens, device) for c, prompts in level_prompts.items()}
+        by_dtype = {d: measure_dtype(model_dir, d, level_prompts, max_tokens, device) for d in baseline_dtypes(dtype, device)}
     except Exception as exc:  # noqa: BLE001 - the baseline is optional: report why it did not run
         return {"skipped": True, "reason": f"transformers baseline failed: {exc!r}"}
     finally:
         torch.set_num_threads(previous_threads)
+    levels = {c: max((dict(runs[c], dtype=d) for d, runs in by_dtype.items()), key=lambda r: r["output_tokens_per_s"])
+              for c in level_prompts}
     return {"skipped": False, "transformers_version": transformers.__version__, "threads": threads,
-            "levels": levels}
+            "dtypes_tried": list(by_dtype), "levels": levels}
+
+
+def baseline_dtypes(dtype: str, device: str) -> list[str]:
+    """The served dtype, plus float32 for bf16 on a CPU: transformers computes bf16 there with emulated
+    matmuls, and a user would pick whichever is faster; the faster of the two is the baseline."""
+    return [dtype, "float32"] if dtype == "bfloat16" and device == "cpu" else [dtype]
+
+
+def measure_dtype(model_dir: Path, dtype: str, level_prompts: dict[int, list[list[int]]], max_tokens: int,
+                  device: str) -> dict[int, dict]:
+    model = load_model(model_dir, dtype, device)
+    generate_batch(model, next(iter(level_prompts.values()))[:1], 2, device)  # warm-up
+    return {c: measure_level(model, prompts, c, max_tokens, device) for c, prompts in level_prompts.items()}

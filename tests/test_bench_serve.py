@@ -169,3 +169,11 @@ def test_bench_serve_end_to_end_against_a_server_it_starts(tmp_path):
         for key in ("ttft_p50_ratio", "itl_p50_ratio", "throughput_vs_transformers"):
             assert finite_positive(run[key]), (key, run[key])
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_transformers_baseline_also_tries_float32_for_bf16_on_cpu():
+    from cluster.bench_transformers import baseline_dtypes
+
+    assert baseline_dtypes("bfloat16", "cpu") == ["bfloat16", "float32"]
+    assert baseline_dtypes("bfloat16", "cuda") == ["bfloat16"]
+    assert baseline_dtypes("float32", "cpu") == ["float32"]
