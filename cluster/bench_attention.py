@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import time
 
 import torch
 
-from .bench_decode import int_list
+from model_workers.precision import compute_dtype
+
+from .bench_decode import int_list, spelled_command
 
 DEFAULT_LENGTHS = "64,128,256,512,1024,2048,4096,8192"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 INPUTS = "the layer's own projections of embedded random token ids (torch seed 0), positions 0..L-1"
+ATTENTION_FLAGS = ("model", "lengths", "dtype", "threads", "repeats")
 TARGET_TOPK_MULTIPLE = 4  # target: sparse faster than dense beyond ~4 * index_topk tokens
 
 
@@ -79,6 +81,12 @@ def layer_inputs(model, layer_id: int, length: int) -> dict[str, torch.Tensor]:
     return {**capture.tensors, "positions": positions}
 
 
+def cache_rounded(inputs: dict[str, torch.Tensor], storage: torch.dtype) -> dict[str, torch.Tensor]:
+    """Keys rounded to the KV cache's dtype, as attention reads them back from the cache."""
+    keys = {name: inputs[name].to(storage).to(inputs[name].dtype) for name in ("latent", "index_k")}
+    return {**inputs, **keys}
+
+
 def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     value = fn()
@@ -129,14 +137,6 @@ def crossover_length(runs: list[dict]) -> int | None:
     return crossover
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The command that reproduces this run, every setting spelled out."""
-    words = ["dsa-serve", "bench", "attention", "--lengths", args.lengths, "--dtype", args.dtype,
-             "--threads", str(args.threads), "--repeats", str(args.repeats)]
-    words += ["--model", args.model] if args.model else []
-    return shlex.join(words + ["--json"])
-
-
 def validate(args: argparse.Namespace) -> list[int]:
     lengths = int_list(args.lengths, "--lengths", 1, 1 << 20)
     for flag, value in [("--threads", args.threads), ("--repeats", args.repeats)]:
@@ -158,14 +158,17 @@ def run_attention(args: argparse.Namespace) -> int:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        model = load_model(model_dir, DTYPES[args.dtype], progress=False)
+        storage = DTYPES[args.dtype]
+        model = load_model(model_dir, compute_dtype(storage, "cpu"), progress=False)  # as a CPU worker does
         layer_id, topk = first_indexer_layer(model), model.config.index_topk
-        runs = [measure_length(layer_inputs(model, layer_id, n), topk, args.repeats) for n in lengths]
+        runs = [measure_length(cache_rounded(layer_inputs(model, layer_id, n), storage), topk, args.repeats)
+                for n in lengths]
     finally:
         torch.set_num_threads(previous_threads)
     crossover = crossover_length(runs)
     result = {
-        "bench": "attention", "command": command_line(args), "model": str(model_dir), "dtype": args.dtype,
+        "bench": "attention", "command": spelled_command("attention", args, ATTENTION_FLAGS), "model": str(model_dir),
+        "dtype": args.dtype, "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
         "device": "cpu", "index_topk": topk, "threads": args.threads, "repeats": args.repeats,
         "layer_id": layer_id, "inputs": INPUTS, "runs": runs, "crossover_length": crossover,
         "crossover_over_index_topk": crossover / topk if crossover is not None else None,
