@@ -28,6 +28,7 @@ def add_parser(kinds) -> None:
     report.add_argument("--results", required=True, help="folder of *.json results (one bench command each)")
     report.add_argument("--out", default="BENCHMARKS.md", help="markdown file to write")
     report.add_argument("--plots-dir", default="docs", help="folder for the PNG plots (linked relatively)")
+    report.add_argument("--notes", default=None, help="markdown inserted after the targets (analysis of the results)")
     report.set_defaults(run=run_report)
 
 
@@ -81,18 +82,53 @@ def prefill_table(result: dict) -> list[str]:
     for p in prefill_points(result):
         entry = p["entry"]
         speedup = p["c1_wall_s"] / p["cp_wall_s"] if p["c1_wall_s"] and p["cp_wall_s"] else None
-        rows.append([p["prompt_len"], p["cp_size"], p["c1_wall_s"], p["cp_wall_s"], speedup, p["efficiency"],
-                     entry.get("measured_kv_bytes_per_rank"), entry.get("formula_kv_bytes_per_rank")])
-    return markdown_table(["L", "C", "C=1 wall s", "C wall s", "speedup", "efficiency", "KV bytes/rank",
-                           "formula"], rows)
+        rss = entry.get("peak_rss_bytes_per_rank")
+        rows.append([p["prompt_len"], p["cp_size"], p["c1_wall_s"], entry.get("c1_cthreads_wall_s"), p["cp_wall_s"],
+                     speedup, p["efficiency"], entry.get("equal_cores_ratio"),
+                     entry.get("compute_imbalance_max_over_mean"), entry.get("measured_kv_bytes_per_rank"),
+                     entry.get("formula_kv_bytes_per_rank"), max(rss) / 2**30 if rss else None])
+    lines = markdown_table(["L", "C", "C=1 1 thread s", "C=1 C threads s", "C ranks s", "speedup",
+                            "strong-scaling eff.", "equal-cores ratio", "compute max/mean", "KV gather bytes/rank",
+                            "formula", "peak RSS/rank GiB"], rows)
+    return lines + [""] + prefill_detail(result)
+
+
+def prefill_detail(result: dict) -> list[str]:
+    """Causal-work imbalance per layout and the phase split, per length (new layout only)."""
+    entries = result.get("lengths") or []
+    if not entries:
+        return []
+    layouts = ("zigzag", "interleave", "contiguous")
+    rows = [[e["prompt_len"], *[e.get("modeled_causal_work_imbalance", {}).get(k) for k in layouts],
+             e.get("compute_imbalance_max_over_mean")] for e in entries]
+    lines = ["Causal work max/mean per rank (model: causal query-key pairs each rank's indexer scores), next to "
+             f"the measured compute max/mean of this run ({result.get('cp_strategy')}):", ""]
+    lines += markdown_table(["L", *[f"{k} (model)" for k in layouts], "measured"], rows)
+    phases = ("indexer", "attention", "mlp", "communication", "other")
+    rows = []
+    for e in entries:
+        rows.append([e["prompt_len"], "C=1", *[e.get("c1_phase_s", {}).get(k) for k in phases]])
+        for rank, split in enumerate(e.get("per_rank_phase_s") or []):
+            rows.append([e["prompt_len"], f"rank {rank}", *[split.get(k) for k in phases]])
+    lines += ["", "Time split per phase (seconds; indexer = indexer projections + scoring + top-k):", ""]
+    lines += markdown_table(["L", "run", *phases], rows)
+    if result.get("measured_kv_bytes_per_token") is not None:
+        lines += ["", f"KV cache bytes per token: measured {result['measured_kv_bytes_per_token']}, formula "
+                      f"{result.get('formula_kv_bytes_per_token')} = {result.get('kv_token_formula')}."]
+    return lines
 
 
 def decode_table(result: dict) -> list[str]:
     rows = [[r.get("speculative_num_steps"), batch, r.get("tokens_per_s"), r.get("speedup_vs_first_k"),
-             r.get("mean_accepted_length"), r.get("formula_accepted_length"), r.get("engine_overhead_fraction")]
+             r.get("mean_accepted_length"), r.get("formula_accepted_length"), r.get("per_position_acceptance"),
+             r.get("draft_cost_c"), r.get("verify_cost_v"), r.get("predicted_speedup"),
+             r.get("engine_overhead_fraction")]
             for batch, runs in decode_series(result).items() for r in runs]
-    return markdown_table(["k", "B", "tokens/s", "x vs first k", "accepted length", "formula",
-                           "engine overhead"], rows)
+    lines = markdown_table(["k", "B", "tokens/s", "x vs k=0", "accepted length E", "(1-a^(k+1))/(1-a)",
+                            "per-position acceptance", "draft cost c", "verify cost v", "E/(k·c+v)",
+                            "engine overhead"], rows)
+    return lines + ["", f"Engine: {result.get('engine', 'in-process worker')}; dtype {result.get('dtype')}; "
+                        f"c and v in plain decode steps of the same batch size."]
 
 
 def serve_table(result: dict) -> list[str]:
@@ -182,11 +218,15 @@ def targets_lines(results: list[tuple[str, dict]]) -> list[str]:
     return markdown_table(["target", "from", "measured", "verdict"], rows)
 
 
-def build_report(results_dir: Path, out: Path, plots_dir: Path) -> str:
+def build_report(results_dir: Path, out: Path, plots_dir: Path, notes: Path | None = None) -> str:
     results, skipped = load_results(results_dir)
     lines = ["# Benchmarks", "", f"Generated by `dsa-serve bench report --results {results_dir}` from "
-             f"{len(results)} result file(s).", "", "## Machine", "", *machine_lines(), "", "## Targets", ""]
-    lines += targets_lines(results) + ["", "## Results", ""]
+             f"{len(results)} result file(s); reproduce everything with `make bench`.", "", "## Machine", "",
+             *machine_lines(), "", "## Targets", ""]
+    lines += targets_lines(results) + [""]
+    if notes is not None:
+        lines += [notes.read_text().rstrip(), ""]
+    lines += ["## Results", ""]
     if not results:
         lines += ["No bench results found: every bench is not measured.", ""]
     for name, result in results:
@@ -202,6 +242,9 @@ def run_report(args: argparse.Namespace) -> int:
         raise ValueError(f"--results must be a folder of bench JSON files, got {args.results!r}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(results_dir, out, Path(args.plots_dir)))
+    notes = Path(args.notes) if args.notes else None
+    if notes is not None and not notes.is_file():
+        raise ValueError(f"--notes must be a markdown file, got {args.notes!r}")
+    out.write_text(build_report(results_dir, out, Path(args.plots_dir), notes))
     print(f"wrote {out}")
     return 0

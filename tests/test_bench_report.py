@@ -73,8 +73,8 @@ def test_report_tables_verdicts_and_plots(results_dir, tmp_path):
     text = write_report(results_dir, tmp_path / "out")
     assert "## Machine" in text and "logical cores" in text and "torch " in text
     assert "| L | sparse s | indexer s |" in text and "| 256 | 4 | 2 |" in text  # attention table
-    assert "| L | C | C=1 wall s |" in text and "| 8192 | 2 | 10 | 5.4 |" in text  # prefill, both layouts
-    assert "| 32768 | 2 | 40 | 21 |" in text
+    assert "| L | C | C=1 1 thread s | C=1 C threads s | C ranks s |" in text  # prefill, both layouts
+    assert "| 8192 | 2 | 10 | – | 5.4 |" in text and "| 32768 | 2 | 40 | – | 21 |" in text
     assert "| k | B | tokens/s |" in text
     assert target_line(text, "CP strong-scaling").endswith("| PASS |")  # min(0.926, 0.952, 0.952)
     assert target_line(text, "sparse attention faster").endswith("| PASS |")
@@ -125,3 +125,28 @@ def test_prefill_points_read_both_layouts():
     (point,) = prefill_points(PREFILL_8K)
     assert point["prompt_len"] == 8192 and point["cp_size"] == 2 and point["efficiency"] == pytest.approx(10 / 5.4 / 2)
     assert [p["prompt_len"] for p in prefill_points(PREFILL_LENGTHS)] == [16384, 32768]
+
+
+def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
+    phases = {"indexer": 3.0, "attention": 1.0, "mlp": 0.5, "communication": 0.2, "other": 0.1}
+    entry = {"prompt_len": 8192, "cp_size": 2, "c1_wall_s": 9.0, "c1_cthreads_wall_s": 5.0, "cp_wall_s": 4.8,
+             "strong_scaling_efficiency": 0.9375, "equal_cores_ratio": 1.04, "compute_imbalance_max_over_mean": 1.02,
+             "modeled_causal_work_imbalance": {"zigzag": 1.0, "interleave": 1.0001, "contiguous": 1.5},
+             "c1_phase_s": phases, "per_rank_phase_s": [phases, phases], "peak_rss_bytes_per_rank": [GIB, GIB],
+             "measured_kv_bytes_per_rank": 10, "formula_kv_bytes_per_rank": 10.0, "runs": []}
+    result = {"bench": "prefill", "cp_size": 2, "cp_strategy": "zigzag", "lengths": [entry],
+              "measured_kv_bytes_per_token": 1280, "formula_kv_bytes_per_token": 1280, "kv_token_formula": "f"}
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "prefill.json").write_text(json.dumps(result))
+    notes = tmp_path / "notes.md"
+    notes.write_text("## What stands in the way\n\nexplained here")
+    assert main(["bench", "report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
+                 "--plots-dir", str(tmp_path / "plots"), "--notes", str(notes)]) == 0
+    text = (tmp_path / "B.md").read_text()
+    assert "| 8192 | 2 | 9 | 5 | 4.8 | 1.875 | 0.9375 | 1.04 | 1.02 | 10 | 10 | 1 |" in text
+    assert "| 8192 | 1 | 1 | 1.5 | 1.02 |" in text  # zigzag, interleave, contiguous (model), measured
+    assert "| 8192 | rank 1 | 3 | 1 | 0.5 | 0.2 | 0.1 |" in text
+    assert "KV cache bytes per token: measured 1280, formula 1280" in text
+    assert text.index("## Targets") < text.index("explained here") < text.index("## Results")
+    assert target_line(text, "CP strong-scaling").endswith("| PASS |")

@@ -56,3 +56,13 @@ def test_batched_topk_equals_per_request_topk():
         want = expected[b]
         assert torch.equal(got[b, :rows, : want.shape[1]].sort(-1).values, want.sort(-1).values)
         assert (got[b, :rows, want.shape[1]:] == -1).all() and (got[b, rows:] == -1).all()
+
+
+def test_indexer_scores_over_several_key_tiles_equal_the_formula():
+    from model_workers.model.sparse_ops import KEY_TILE
+
+    generator = torch.Generator().manual_seed(2)
+    index_q, index_w, keys = random_inputs(5, 2 * KEY_TILE + 300, generator)
+    index_w[:, 0] = -index_w[:, 0]  # negative head weights are allowed
+    expected = (torch.einsum("thd,kd->thk", index_q, keys).clamp_min(0) * index_w[:, :, None]).sum(1)  # [T, K]
+    torch.testing.assert_close(indexer_scores(index_q, index_w, keys), expected, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_ops import DEFAULT_BUDGET_BYTES, rows_per_chunk
+from .sparse_ops import ATTENTION_BUDGET_BYTES, rows_per_chunk
 
 
 def dense_causal_mla_attention(
@@ -20,7 +20,7 @@ def dense_causal_mla_attention(
     key_latent: torch.Tensor,
     query_positions: torch.Tensor,
     scale: float,
-    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    budget_bytes: int = ATTENTION_BUDGET_BYTES,
 ) -> torch.Tensor:
     """Absorbed MLA over all causal keys of one request.
 
