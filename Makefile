@@ -29,7 +29,7 @@ bench: install
 	$(VENV)/bin/dsa-serve bench decode --json > $(BENCH_DIR)/decode.json
 	$(VENV)/bin/dsa-serve bench decode --ray --speculative-num-steps 0,2 --batch-size 8 --json > $(BENCH_DIR)/decode_ray.json
 	$(VENV)/bin/dsa-serve bench serve --json > $(BENCH_DIR)/serve.json
-	$(VENV)/bin/dsa-serve bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench
+	$(VENV)/bin/dsa-serve bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes.md
 
 clean:
 	rm -rf $(VENV)
