@@ -26,11 +26,12 @@ import torch
 from .bench_decode import PROMPTS, int_list, spelled_command
 from .bench_serve_report import DEFINITIONS, assemble_run, machine, plot, summary_text  # plot: bench_plot "serve"
 from .cp_args import add_cp_arguments
+from .serve_cmd import add_placement_argument
 from .serve_settings import API_KEY_ENV
 
 READY_TIMEOUT_S = 300
 SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ray_address", "speculative_num_steps", "dtype",
-               "device", "concurrency", "num_prompts", "max_tokens", "prompt_len", "warmup", "skip_in_process",
+               "device", "engine_placement", "concurrency", "num_prompts", "max_tokens", "prompt_len", "warmup", "skip_in_process",
                "skip_transformers")  # the result's `command` (never --api-key)
 
 
@@ -43,6 +44,7 @@ def add_parser(kinds) -> None:
     bench.add_argument("--speculative-num-steps", type=int, default=0, help="MTP draft tokens per step, 0..4")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    add_placement_argument(bench)
     bench.add_argument("--concurrency", default="1,8,32,64", help="comma list of closed-loop client counts")
     bench.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x C))")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (exactly)")
@@ -212,7 +214,8 @@ def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], ht
         "dtype": args.dtype, "device": args.device, "max_tokens": args.max_tokens,
         "prompt_tokens": [len(ids) for _, ids in prompts], "machine": machine(),
         "server": {"url": args.url, "started_here": args.url is None, "cp_size": cp.cp_size, "cp_strategy": cp.strategy,
-                   "cp_impl": cp.impl, "speculative_num_steps": args.speculative_num_steps},
+                   "cp_impl": cp.impl, "speculative_num_steps": args.speculative_num_steps,
+                   "engine_placement": args.engine_placement},
         "definitions": DEFINITIONS,
         "in_process": {"skipped": True, "reason": "--skip-in-process"} if in_process is None else {"skipped": False},
         "transformers": {k: v for k, v in baseline.items() if k != "levels"},

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from cp_router.scheduler import Scheduler
 
-from .engine_protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo
+from .engine_protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
 from .engine_stream import RequestStream, sampling_of
 from .metrics import ServeMetrics, track_stream
 
@@ -84,7 +84,10 @@ class DSAEngine:
             raise RuntimeError(f"engine step loop stopped: {self._task.exception()!r}")
         if self.scheduler.has_work() and time.monotonic() - self._last_progress > self.stuck_after_s:
             raise RuntimeError(f"engine step loop stuck: no step finished for {self.stuck_after_s:g}s")
-        await asyncio.wait_for(asyncio.gather(*[w.free_pages.remote() for w in self.workers]), timeout=30)
+        try:
+            await asyncio.wait_for(asyncio.gather(*[w.free_pages.remote() for w in self.workers]), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - a dead or hung rank: one line naming the failure
+            raise RuntimeError(f"rank worker unreachable: {one_line(exc)}") from None
 
     # the loop -------------------------------------------------------------------------------------
     async def _chunks(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:

@@ -105,3 +105,10 @@ class EngineClient(Protocol):
     async def metrics_text(self) -> str: ...
 
     async def check_health(self) -> None: ...
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: first line` of an error (of its cause for a Ray task error): for one-line HTTP messages."""
+    cause = getattr(error, "cause", None) or error  # a RayTaskError carries the replica's exception as `cause`
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"

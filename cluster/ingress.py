@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .choice_streams import plan_choices
-from .engine_protocol import EngineClient, ModelInfo
+from .engine_protocol import EngineClient, ModelInfo, one_line
 from .generation_http import Generation, respond_stream, respond_whole
 from .http_body import read_json_body
 from .http_errors import APIError, install_error_handlers
@@ -86,7 +86,7 @@ class Ingress:
         try:
             await self.engine.check_health()
         except Exception as exc:  # noqa: BLE001 - any failure of the probe means "unhealthy"
-            raise APIError(503, f"engine unhealthy: {exc}", code="engine_unhealthy") from None
+            raise APIError(503, f"engine unhealthy: {one_line(exc)}", code="engine_unhealthy") from None
         return {"status": "ok"}
 
     async def metrics_text(self) -> str:

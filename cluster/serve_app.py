@@ -1,13 +1,19 @@
-"""The Ray Serve application `cluster.serve_app:app`: `DSAIngress` (HTTP) in front of `DSAEngine` (CP groups).
+"""The Ray Serve application `cluster.serve_app:app`, in one of two placements (`engine_placement`):
 
-Placement: a `DSAEngine` replica runs in a placement group of 1 + C bundles (`engine_bundles`): bundle 0
-holds the replica itself (the engine's asyncio step loop and scheduler), bundles 1..C the CPWorker rank
-actors the replica starts there (`cluster.launch.start_workers`). The strategy is `placement_strategy`
-(STRICT_PACK by default). More replicas = more CP groups: Serve's `num_replicas` / `autoscaling_config` of
-the deployment apply as they are. The rank actors are owned by the replica and die with it.
-Health: Serve calls `DSAEngine.check_health` every `health_check_period_s`; it raises when a rank actor is
-dead (its ping fails) or the step loop stopped or made no progress while it had work, and Serve replaces
-the replica. Aborts and metrics: see cluster/serve_client.py.
+* separate: `DSAIngress` (HTTP) replicas in front of `DSAEngine` (CP group) replicas over a deployment
+  handle; ingress and engines scale independently; every token chunk crosses one more Ray stream.
+* colocated (`dsa-serve serve`'s default): one `DSAServer` deployment whose replica is the HTTP app and the
+  engine at once; a CP group per replica; measured on the 2-core box, it halves the serving processes'
+  CPU per streamed chunk (see BENCHMARKS.md).
+
+Placement: an engine replica (DSAEngine or DSAServer) runs in a placement group of 1 + C bundles
+(`engine_bundles`): bundle 0 holds the replica itself (the engine's asyncio step loop and scheduler), bundles
+1..C the CPWorker rank actors the replica starts there (`cluster.launch.start_workers`). The strategy is
+`placement_strategy` (STRICT_PACK by default). More replicas = more CP groups: Serve's `num_replicas` /
+`autoscaling_config` of the deployment apply as they are. The rank actors are owned by the replica and die
+with it. Health: Serve calls the replica's `check_health` every `health_check_period_s`; it raises when a
+rank actor is dead (its ping fails) or the step loop stopped or made no progress while it had work, and
+Serve replaces the replica. Aborts and metrics (separate placement): see cluster/serve_client.py.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from model_workers.generation import resolve_model_dir
 
 from .cp_args import resolve_cp_args
 from .engine_launch import EngineOptions
+from .engine import DSAEngine
 from .engine_launch import engine_over_workers
 from .engine_protocol import EngineChunk, EngineRequest, ModelInfo
 from .ingress import build_app
@@ -34,7 +41,7 @@ from .serve_client import ServeEngineClient
 from .serve_settings import ServeAppArgs
 
 APP_NAME = "dsa-serve"
-ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT = "DSAEngine", "DSAIngress"
+ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT = "DSAEngine", "DSAIngress", "DSAServer"
 
 
 def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
@@ -51,6 +58,20 @@ def engine_options(args: ServeAppArgs) -> EngineOptions:
 QUIET = {"enable_access_log": False}
 
 
+def start_replica_engine(args: ServeAppArgs, deployment: str) -> DSAEngine:
+    """The replica's CP group (rank actors in bundles 1..C of its placement group) and the engine over it."""
+    model_dir = resolve_model_dir(args.model)
+    cp, options = resolve_cp_args(args, model_dir), engine_options(args)
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "
+                           "(placement_group_bundles); build the app with cluster.serve_app:app")
+    workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
+                            options.page_size, options.threads_per_worker, bool(options.use_gpu))
+    metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
+    return engine_over_workers(model_dir, cp, options, workers, metrics)
+
+
 ENGINE_MAX_ONGOING = 4096  # engine streams in flight per replica: each HTTP request holds one per choice
 
 
@@ -59,16 +80,7 @@ class EngineReplica:
     """One CP group and the `DSAEngine` driving it."""
 
     def __init__(self, args: ServeAppArgs):
-        model_dir = resolve_model_dir(args.model)
-        cp, options = resolve_cp_args(args, model_dir), engine_options(args)
-        group = ray.util.get_current_placement_group()
-        if group is None:
-            raise RuntimeError(f"{ENGINE_DEPLOYMENT} must run in a placement group of 1 + cp_size bundles "
-                               "(placement_group_bundles); build the app with cluster.serve_app:app")
-        self.workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
-                                     options.page_size, options.threads_per_worker, bool(options.use_gpu))
-        metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
-        self.engine = engine_over_workers(model_dir, cp, options, self.workers, metrics)
+        self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         async for chunk in self.engine.generate(request):
@@ -109,6 +121,25 @@ class IngressReplica:
         return build_app(await ServeEngineClient.connect(self.engine), self.settings)
 
 
+@serve.deployment(name=SERVER_DEPLOYMENT, logging_config=QUIET)
+@serve.ingress()
+class ServerReplica:
+    """engine_placement="colocated": the HTTP app over an engine in the same process (no engine handle)."""
+
+    def __init__(self, args: ServeAppArgs):
+        self.engine = start_replica_engine(args, SERVER_DEPLOYMENT)
+        self.settings = args.ingress
+        if self.settings.model_dir is None:
+            self.settings = self.settings.model_copy(update={"model_dir": str(resolve_model_dir(args.model))})
+        configure_access_log()
+
+    async def __serve_build_asgi_app__(self):
+        return build_app(self.engine, self.settings)
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+
 def validate_args(args: dict[str, Any] | ServeAppArgs) -> ServeAppArgs:
     """ServeAppArgs, or one ValueError line naming each bad field."""
     try:
@@ -119,14 +150,18 @@ def validate_args(args: dict[str, Any] | ServeAppArgs) -> ServeAppArgs:
 
 
 def build_application(args: ServeAppArgs, engine_replicas: int | None = None) -> Application:
-    """The two deployments bound together; `engine_replicas` overrides DSAEngine's num_replicas."""
+    """The app of `args.engine_placement`; `engine_replicas` overrides the engine deployment's num_replicas."""
     replicas = {} if engine_replicas is None else {"num_replicas": engine_replicas}
-    engine = EngineReplica.options(placement_group_bundles=engine_bundles(args),
-                                   placement_group_strategy=args.placement_strategy,
-                                   max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas).bind(args)
     # Above the app's own cap, so overload is answered by the app's 429 body rather than queued by Serve
     # (Serve's default of 5 in flight per replica would serialize a 32-stream load).
     ingress_cap = 2 * args.ingress.max_ongoing_requests
+    if args.engine_placement == "colocated":
+        return ServerReplica.options(placement_group_bundles=engine_bundles(args),
+                                     placement_group_strategy=args.placement_strategy,
+                                     max_ongoing_requests=ingress_cap, **replicas).bind(args)
+    engine = EngineReplica.options(placement_group_bundles=engine_bundles(args),
+                                   placement_group_strategy=args.placement_strategy,
+                                   max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas).bind(args)
     return IngressReplica.options(max_ongoing_requests=ingress_cap).bind(engine, args)
 
 

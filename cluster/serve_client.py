@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from .engine_protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo
+from .engine_protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
 from .metrics import merge_metrics_text
 
 BROADCAST_TIMEOUT_S = 30.0
@@ -69,9 +69,3 @@ class ServeEngineClient:
         failures = [one_line(result) for result in results if isinstance(result, BaseException)]
         if not results or failures:
             raise RuntimeError("; ".join(failures) or "no engine replica is running")
-
-
-def one_line(error: BaseException) -> str:
-    cause = getattr(error, "cause", None) or error  # a RayTaskError carries the replica's exception as `cause`
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[0] if lines else ''}"

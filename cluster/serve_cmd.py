@@ -29,7 +29,13 @@ def add_parser(commands) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help=f"require this Bearer key on /v1 (default: env {API_KEY_ENV})")
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
+    add_placement_argument(parser)
     parser.set_defaults(run=run)
+
+
+def add_placement_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-placement", choices=["colocated", "separate"], default="colocated",
+                        help="colocated: one deployment is HTTP app + engine; separate: DSAIngress -> DSAEngine")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -44,7 +50,7 @@ def app_args(args: argparse.Namespace):
 
     fields = {"model": args.model, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
               "cp_impl": args.cp_impl, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
-              "device": args.device, "ingress": {"api_key": args.api_key}}
+              "device": args.device, "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
     return validate_args(fields)
 
 

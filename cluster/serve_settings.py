@@ -45,4 +45,8 @@ class ServeAppArgs(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token
+    # chunk crosses one more Ray stream). "colocated": one DSAServer deployment whose replica is both the
+    # HTTP app and the engine (one process less per chunk; scale by replicas of the whole server).
+    engine_placement: Literal["separate", "colocated"] = "separate"
     ingress: IngressSettings = IngressSettings()

@@ -142,3 +142,15 @@ def test_app_built_without_a_config_file_admits_more_than_serves_default_five():
     yaml_engine = next(d for d in load_yaml(DEPLOY / "serve_config.yaml")["applications"][0]["deployments"]
                        if d["name"] == "DSAEngine")
     assert yaml_engine["max_ongoing_requests"] == ENGINE_MAX_ONGOING
+
+
+def test_colocated_placement_is_one_server_deployment_holding_the_cp_group():
+    from cluster.serve_app import SERVER_DEPLOYMENT, build_application, engine_bundles, validate_args
+
+    args = validate_args({"engine_placement": "colocated", "cp_size": 3})
+    server = build_application(args, engine_replicas=2)._bound_deployment
+    assert server.name == SERVER_DEPLOYMENT and server.num_replicas == 2
+    assert server.max_ongoing_requests == 2 * args.ingress.max_ongoing_requests
+    assert server._replica_config.placement_group_bundles == engine_bundles(args) == [{"CPU": 1}] * 4
+    with pytest.raises(ValueError, match="engine_placement"):
+        validate_args({"engine_placement": "mixed"})

@@ -49,12 +49,13 @@ def wait_until_ready(process: subprocess.Popen, base_url: str, log_path) -> None
     pytest.fail(f"dsa-serve serve not ready within {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """Base URL of a running server; on teardown Ctrl-C must stop it cleanly (exit 0, "stopped")."""
+@pytest.fixture(scope="module", params=["colocated", "separate"])
+def server(tmp_path_factory, request):
+    """Base URL of a running server (each engine placement); on teardown Ctrl-C must stop it cleanly."""
     port, log_path = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", API_KEY_ENV)}
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--api-key", API_KEY]
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+               "--engine-placement", request.param]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
