@@ -19,17 +19,20 @@ serve: install
 test: install
 	$(PY) -m pytest -q tests
 
-# Every benchmark (about 40 minutes on a 2-core CPU machine), then BENCHMARKS.md and docs/bench/*.png.
+# Every benchmark (about 30 minutes on a 2-core CPU machine), then BENCHMARKS.md and docs/bench/*.png.
 BENCH_DIR ?= bench-results
+DSA := $(VENV)/bin/dsa-serve
 bench: install
 	mkdir -p $(BENCH_DIR)
-	$(VENV)/bin/dsa-serve bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --json > $(BENCH_DIR)/prefill_zigzag.json
-	$(VENV)/bin/dsa-serve bench prefill --cp-size 2 --cp-strategy interleave --cp-impl v2 --prompt-len 8192,16384 --skip-equal-cores --json > $(BENCH_DIR)/prefill_interleave.json
-	$(VENV)/bin/dsa-serve bench attention --json > $(BENCH_DIR)/attention.json
-	$(VENV)/bin/dsa-serve bench decode --json > $(BENCH_DIR)/decode.json
-	$(VENV)/bin/dsa-serve bench decode --ray --speculative-num-steps 0,2 --batch-size 8 --json > $(BENCH_DIR)/decode_ray.json
-	$(VENV)/bin/dsa-serve bench serve --json > $(BENCH_DIR)/serve.json
-	$(VENV)/bin/dsa-serve bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes.md
+	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 1024,2048,4096,8192,16384 --repeats 3 --json > $(BENCH_DIR)/prefill_zigzag.json
+	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 32768 --json > $(BENCH_DIR)/prefill_zigzag_32k.json
+	$(DSA) bench prefill --cp-size 2 --cp-strategy interleave --cp-impl v2 --prompt-len 8192,16384 --repeats 3 --skip-equal-cores --json > $(BENCH_DIR)/prefill_interleave.json
+	$(DSA) bench attention --json > $(BENCH_DIR)/attention.json
+	$(DSA) bench decode --json > $(BENCH_DIR)/decode.json
+	$(DSA) bench decode --ray --speculative-num-steps 0,2 --batch-size 8 --json > $(BENCH_DIR)/decode_ray.json
+	$(DSA) bench serve --engine-placement colocated --json > $(BENCH_DIR)/serve_colocated.json
+	$(DSA) bench serve --engine-placement separate --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_separate.json
+	$(DSA) bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes.md
 
 clean:
 	rm -rf $(VENV)

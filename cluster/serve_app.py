@@ -2,9 +2,9 @@
 
 * separate: `DSAIngress` (HTTP) replicas in front of `DSAEngine` (CP group) replicas over a deployment
   handle; ingress and engines scale independently; every token chunk crosses one more Ray stream.
-* colocated (`dsa-serve serve`'s default): one `DSAServer` deployment whose replica is the HTTP app and the
-  engine at once; a CP group per replica; measured on the 2-core box, it halves the serving processes'
-  CPU per streamed chunk (see BENCHMARKS.md).
+* colocated: one `DSAServer` deployment whose replica is the HTTP app and the engine at once (a CP group
+  per replica); one Ray stream less per token chunk, but HTTP handling and the engine loop share one
+  process. On the 2-core benchmark box neither placement was consistently faster (BENCHMARKS.md).
 
 Placement: an engine replica (DSAEngine or DSAServer) runs in a placement group of 1 + C bundles
 (`engine_bundles`): bundle 0 holds the replica itself (the engine's asyncio step loop and scheduler), bundles

@@ -34,7 +34,7 @@ def add_parser(commands) -> None:
 
 
 def add_placement_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine-placement", choices=["colocated", "separate"], default="colocated",
+    parser.add_argument("--engine-placement", choices=["separate", "colocated"], default="separate",
                         help="colocated: one deployment is HTTP app + engine; separate: DSAIngress -> DSAEngine")
 
 
