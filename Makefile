@@ -19,7 +19,7 @@ serve: install
 test: install
 	$(PY) -m pytest -q tests
 
-# Every benchmark (about 30 minutes on a 2-core CPU machine), then BENCHMARKS.md and docs/bench/*.png.
+# Every benchmark (about 20 minutes on a 2-core CPU machine), then BENCHMARKS.md and docs/bench/*.png.
 BENCH_DIR ?= bench-results
 DSA := $(VENV)/bin/dsa-serve
 bench: install
