@@ -85,10 +85,26 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        stop_serve(serve, wait_s=SERVE_SHUTDOWN_WAIT_S if started else None)
         if started:
             import ray
 
-            ray.shutdown()
+            ray.shutdown()  # stops every process of the local cluster, whatever Serve left running
     print("dsa-serve: stopped", flush=True)
     return 0
+
+
+SERVE_SHUTDOWN_WAIT_S = 30.0
+
+
+def stop_serve(serve, wait_s: float | None) -> None:
+    """serve.shutdown() (replicas drain their requests); on a cluster this command started, waits at most
+    `wait_s` seconds for it, since ray.shutdown() afterwards stops whatever is still running."""
+    if wait_s is None:
+        serve.shutdown()
+        return
+    done = threading.Thread(target=serve.shutdown, daemon=True)
+    done.start()
+    done.join(wait_s)
+    if done.is_alive():
+        print(f"dsa-serve: Serve did not shut down within {wait_s:g}s; stopping the local Ray cluster", flush=True)
