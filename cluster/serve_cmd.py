@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from .serve_app import APP_NAME, build_application
 
     check_arguments(args)
+    # Ctrl-C must stop the server even when this process inherited SIGINT as ignored (a parent that
+    # ignores it, e.g. some launchers and test runners): Python then installs no KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = app_args(args)
     model_dir = resolve_model_dir(settings.model)
     resolve_cp_args(settings, model_dir)  # CP flags checked against the model before Ray starts

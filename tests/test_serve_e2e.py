@@ -57,7 +57,9 @@ def server(tmp_path_factory, request):
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--api-key", API_KEY,
                "--engine-placement", request.param]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Started with SIGINT ignored, as some launchers and test runners leave it: Ctrl-C must still stop it.
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     base_url = f"http://127.0.0.1:{port}"
     wait_until_ready(process, base_url, log_path)
     yield base_url, log_path, process.pid
