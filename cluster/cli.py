@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_cmd, generate_cmd, serve_cmd, train_cmd
+from cluster.commands import bench, generate, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsa-serve", description="Serve DeepSeek-Sparse-Attention models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    generate_cmd.add_parser(commands)
-    train_cmd.add_parser(commands)
-    bench_cmd.add_parser(commands)
-    serve_cmd.add_parser(commands)
+    generate.add_parser(commands)
+    train.add_parser(commands)
+    bench.add_parser(commands)
+    serve.add_parser(commands)
     return parser
 
 

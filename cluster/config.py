@@ -13,8 +13,24 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-CPStrategyName = Literal["zigzag", "interleave"]
-CPImplName = Literal["auto", "legacy", "v2"]
+from cp_router.cp.padding import CP_IMPLS
+from cp_router.cp.strategies import CP_STRATEGIES
+from model_workers.precision import STORAGE_DTYPES
+
+# The allowed values of every enumerated setting, derived from the table that owns them; CLI `choices=` and the
+# Serve YAML schema both come from these.
+CPStrategyName = Literal[CP_STRATEGIES]
+CPImplName = Literal[("auto", *CP_IMPLS)]
+DTypeName = Literal[tuple(STORAGE_DTYPES)]
+DeviceName = Literal["cpu", "cuda"]
+MAX_SPECULATIVE_STEPS = 4  # MTP draft tokens per decode step: 0 (plain decoding) .. 4
+
+
+def check_speculative_steps(value: int, name: str = "speculative_num_steps") -> int:
+    """The one range check of the speculative step count; `name` is the flag or field in the message."""
+    if not 0 <= value <= MAX_SPECULATIVE_STEPS:
+        raise ValueError(f"{name} must be in 0..{MAX_SPECULATIVE_STEPS}, got {value}")
+    return value
 
 # Non-DSA model types in the v2 family (they default to cp_impl=v2): the MiMo-V2 models.
 V2_FAMILY_MODEL_TYPES = frozenset({"mimo_v2", "mimo_v2_flash"})

@@ -9,6 +9,7 @@ naming what it asked for; `CPEngine.shutdown` kills the actors and removes the p
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,17 @@ def start_ray(min_cpus: int, address: str | None = None, log_to_driver: bool = F
     num_cpus = max(os.cpu_count() or 1, min_cpus)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
     return True
+
+
+@contextlib.contextmanager
+def ray_session(min_cpus: int, address: str | None):
+    """Ray for one command: joined at `address` or started locally (and then shut down on exit)."""
+    started = start_ray(min_cpus, address)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 @dataclass

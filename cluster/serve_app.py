@@ -27,18 +27,18 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from model_workers.generation import resolve_model_dir
+from model_workers.checkpoint.model_dir import resolve_model_dir
 
-from .cp_args import resolve_cp_args
-from .engine_launch import EngineOptions
-from .engine import DSAEngine
-from .engine_launch import engine_over_workers
-from .engine_protocol import EngineChunk, EngineRequest, ModelInfo
-from .ingress import build_app
-from .launch import start_workers
-from .metrics import ServeMetrics
-from .serve_client import ServeEngineClient
-from .serve_settings import ServeAppArgs
+from cluster.commands.args import resolve_cp_args
+from cluster.engine_setup import EngineOptions
+from cp_router.engine import DSAEngine
+from cluster.engine_setup import engine_over_workers
+from cp_router.protocol import EngineChunk, EngineRequest, ModelInfo
+from cluster.http_api.ingress import build_app
+from cluster.launch import start_workers
+from cp_router.metrics import ServeMetrics
+from cluster.serve_client import ServeEngineClient
+from cluster.serve_settings import ServeAppArgs
 
 APP_NAME = "dsa-serve"
 ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT = "DSAEngine", "DSAIngress", "DSAServer"

@@ -11,9 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from .config import CPImplName, CPStrategyName
+from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
+EnginePlacement = Literal["separate", "colocated"]
 
 
 class IngressSettings(BaseModel):
@@ -41,12 +42,12 @@ class ServeAppArgs(BaseModel):
     cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
     cp_strategy: CPStrategyName = "zigzag"
     cp_impl: CPImplName = "auto"
-    speculative_num_steps: int = Field(0, ge=0, le=4)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: Literal["cpu", "cuda"] = "cpu"
+    speculative_num_steps: int = Field(0, ge=0, le=MAX_SPECULATIVE_STEPS)
+    dtype: DTypeName = "float32"
+    device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token
     # chunk crosses one more Ray stream). "colocated": one DSAServer deployment whose replica is both the
     # HTTP app and the engine (one process less per chunk; scale by replicas of the whole server).
-    engine_placement: Literal["separate", "colocated"] = "separate"
+    engine_placement: EnginePlacement = "separate"
     ingress: IngressSettings = IngressSettings()

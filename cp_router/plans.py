@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cp_router.metadata import CPMetadata
+from cp_router.cp.metadata import CPMetadata
 
 NEXT_ID_SAMPLED = -1  # in `next_ids_local`: "the token the target samples for this request goes here"
 

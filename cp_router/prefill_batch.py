@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cp_router.metadata import CPMetadata
+from cp_router.cp.metadata import CPMetadata
 from cp_router.plans import NEXT_ID_SAMPLED, PrefillRequest, PrefillShard
-from cp_router.sharding import shard
+from cp_router.cp.sharding import shard
 
 
 def prefill_shards(

@@ -10,7 +10,7 @@ WAITING, PREFILLING, DECODING = "waiting", "prefilling", "decoding"
 
 
 @dataclass
-class Sequence:
+class RequestState:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from cp_router.metadata import CPMetadata, build_cp_metadata
-from cp_router.padding import CP_IMPLS, IMPL_LEGACY
+from cp_router.cp.metadata import CPMetadata, build_cp_metadata
+from cp_router.cp.padding import CP_IMPLS, IMPL_LEGACY
 from cp_router.plans import DecodeItem, PrefillRequest, PrefillShard, RequestOutput, SamplingParams
 from cp_router.plans import StepPlan, StepResult
 from cp_router.prefill_batch import prefill_shards
-from cp_router.strategies import STRATEGY_INTERLEAVE, can_split, get_strategy
+from cp_router.cp.strategies import STRATEGY_INTERLEAVE, can_split, get_strategy
 
 
 @dataclass

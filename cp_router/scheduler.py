@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cp_router.plans import DecodeItem, StepPlan
-from cp_router.request_state import DECODING, PREFILLING, WAITING, Sequence, pages_for
+from cp_router.request_state import DECODING, PREFILLING, WAITING, RequestState, pages_for
 from cp_router.scheduler_prefill import PrefillBatch, build_prefill_batch, plan_prefill_batch
 
 
@@ -43,7 +43,7 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, RequestState] = {}
         self.waiting: deque[str] = deque()
         self.pending_free: dict[int, set[str]] = {r: set() for r in range(config.cp_size)}
         self._arrivals = 0
@@ -59,7 +59,7 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) needs"
                 f" {pages_for(worst, cfg.page_size)} KV pages; a rank has {cfg.num_pages}"
             )
-        self.sequences[request_id] = Sequence(request_id, list(prompt_ids), sampling, self._arrivals)
+        self.sequences[request_id] = RequestState(request_id, list(prompt_ids), sampling, self._arrivals)
         self._arrivals += 1
         self.waiting.append(request_id)
 
@@ -109,7 +109,7 @@ class Scheduler:
     def _growth(self, num_steps: int) -> int:
         return num_steps * (self.config.num_speculative_steps + 1)
 
-    def _decode_need(self, decoding: list[Sequence], cp_rank: int, num_steps: int) -> int:
+    def _decode_need(self, decoding: list[RequestState], cp_rank: int, num_steps: int) -> int:
         """Pages rank `cp_rank` holds during the decode call (worst case) plus every other request's pages."""
         growth, decoding_ids = self._growth(num_steps), {s.request_id for s in decoding}
         need = 0
@@ -119,10 +119,10 @@ class Scheduler:
             need += pages_for(tokens + (growth if grows else 0), self.config.page_size)
         return need
 
-    def _decode_need_all(self, decoding: list[Sequence], num_steps: int) -> list[int]:
+    def _decode_need_all(self, decoding: list[RequestState], num_steps: int) -> list[int]:
         return [self._decode_need(decoding, r, num_steps) for r in range(self.config.cp_size)]
 
-    def _fit_decode(self, decoding: list[Sequence], num_steps: int) -> list[str]:
+    def _fit_decode(self, decoding: list[RequestState], num_steps: int) -> list[str]:
         """Preempts the newest request holding KV on a rank until one decode step fits there."""
         preempted = []
         for cp_rank in range(self.config.cp_size):
@@ -142,7 +142,7 @@ class Scheduler:
         ahead = [rid for rid in self.waiting if self.sequences[rid].arrival < arrival]
         self.waiting.insert(len(ahead), request_id)
 
-    def _decode_plans(self, decoding: list[Sequence], num_steps: int) -> dict[int, StepPlan]:
+    def _decode_plans(self, decoding: list[RequestState], num_steps: int) -> dict[int, StepPlan]:
         per_rank: dict[int, list[DecodeItem]] = {}
         for seq in decoding:
             remaining = seq.sampling.max_tokens - len(seq.output_ids)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cp_router.metadata import build_cp_metadata
-from cp_router.padding import IMPL_LEGACY
+from cp_router.cp.metadata import build_cp_metadata
+from cp_router.cp.padding import IMPL_LEGACY
 from cp_router.plans import PrefillRequest, PrefillShard
 from cp_router.prefill_batch import prefill_shards
-from cp_router.request_state import DECODING, PREFILLING, Sequence, pages_for
-from cp_router.strategies import STRATEGY_INTERLEAVE, can_split, get_strategy
+from cp_router.request_state import DECODING, PREFILLING, RequestState, pages_for
+from cp_router.cp.strategies import STRATEGY_INTERLEAVE, can_split, get_strategy
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class PrefillBatch:
 
     def apply(self, scheduler, outputs: dict, new_tokens: dict[str, list[int]]) -> None:
         for piece, owner in zip(self.pieces, self.owners):
-            seq: Sequence | None = scheduler.sequences.get(piece.request_id)
+            seq: RequestState | None = scheduler.sequences.get(piece.request_id)
             if seq is None:
                 continue  # aborted while the step ran; its frees are queued on every rank of the batch
             seq.prefilled = piece.prefix_len + piece.extend_len

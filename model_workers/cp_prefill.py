@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cp_router.metadata import CPMetadata
+from cp_router.cp.metadata import CPMetadata
 from cp_router.plans import NEXT_ID_SAMPLED, PrefillShard, RequestOutput
 
-from .comm import LocalComm
-from .cp_backend import CPBackend, gather_rows_global
-from .kv_cache import PageTable
-from .model.decoder import DSAForCausalLM
-from .sampler import sample, token_logprob
-from .shared_topk import position_slots
-from .torch_backend import ForwardBatch
+from model_workers.comm import LocalComm
+from model_workers.backends.cp_backend import CPBackend, gather_rows_global
+from model_workers.kv_cache import PageTable
+from model_workers.model.decoder import DSAForCausalLM
+from model_workers.sampler import sample, token_logprob
+from model_workers.backends.shared_topk import position_slots
+from model_workers.backends.torch_backend import ForwardBatch
 
 
 @dataclass

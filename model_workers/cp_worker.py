@@ -15,17 +15,15 @@ import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
 
-from .comm import LocalComm, ProcessGroupComm, free_port
-from .cp_backend import CPBackend
-from .cp_prefill import PrefillContext, run_prefill
-from .kv_cache import OutOfPages, PageTable
-from .loader import load_model
-from .phase_clock import PhaseClock
-from .precision import compute_dtype
-from .decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
-from .runner import ModelRunner
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from model_workers.comm import LocalComm, ProcessGroupComm, free_port
+from model_workers.backends.cp_backend import CPBackend
+from model_workers.cp_prefill import PrefillContext, run_prefill
+from model_workers.kv_cache import OutOfPages, PageTable
+from model_workers.checkpoint.loader import load_model
+from model_workers.phase_clock import PhaseClock
+from model_workers.precision import compute_dtype, storage_dtype
+from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
+from model_workers.runner import ModelRunner
 
 
 class CPWorker:
@@ -52,12 +50,11 @@ class CPWorker:
 
     def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64) -> dict:
         """(Re)loads a checkpoint and a fresh cache; requests held so far are dropped."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        model = load_model(model_dir, dtype=compute_dtype(DTYPES[dtype], self.device), device=self.device,
+        storage = storage_dtype(dtype)
+        model = load_model(model_dir, dtype=compute_dtype(storage, self.device), device=self.device,
                            progress=False)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
-                                  kv_dtype=DTYPES[dtype])
+                                  kv_dtype=storage)
         self.backend = CPBackend(self.runner.cache)
         self.held = {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),

@@ -21,10 +21,10 @@ import torch
 
 from cp_router.plans import RequestOutput, SamplingParams
 
-from .kv_cache import PageTable
-from .runner import ExtendItem, ModelRunner
-from .sampler import draft_token, sample, token_logprob, verify
-from .shared_topk import SharedTopkBackend, reuse_rows
+from model_workers.kv_cache import PageTable
+from model_workers.runner import ExtendItem, ModelRunner
+from model_workers.sampler import draft_token, sample, token_logprob, verify
+from model_workers.backends.shared_topk import SharedTopkBackend, reuse_rows
 
 
 @dataclass

@@ -14,8 +14,8 @@ from collections import defaultdict
 
 from torch import nn
 
-from .model.attention import Indexer, MLAttention
-from .model.layers import MLP, MoE
+from model_workers.model.attention import Indexer, MLAttention
+from model_workers.model.layers import MLP, MoE
 
 PHASES = ("indexer", "attention", "mlp", "communication", "other")
 

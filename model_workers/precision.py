@@ -14,6 +14,14 @@ from pathlib import Path
 import torch
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the one table of --dtype names
+
+
+def storage_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a --dtype / `dtype` name (weights as stored, KV cache)."""
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPES)}, got {name!r}")
+    return STORAGE_DTYPES[name]
 
 
 @functools.lru_cache(maxsize=1)

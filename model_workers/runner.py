@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import PagedKVCache, PageTable
-from .model.decoder import DSAForCausalLM
-from .torch_backend import ForwardBatch, TorchBackend
+from model_workers.kv_cache import PagedKVCache, PageTable
+from model_workers.model.decoder import DSAForCausalLM
+from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_models import add_mtp_layer, reference_model, save_reference  # noqa: E402
+from support.tiny_models import add_mtp_layer, reference_model, save_reference  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backend import AttentionBackend
-from .config import ModelConfig
-from .layers import RMSNorm
-from .rope import attention_softmax_scale, rotate_half_split, rotate_interleaved
+from model_workers.model.backend import AttentionBackend
+from model_workers.model.config import ModelConfig
+from model_workers.model.layers import RMSNorm
+from model_workers.model.rope import attention_softmax_scale, rotate_half_split, rotate_interleaved
 
 
 class Indexer(nn.Module):

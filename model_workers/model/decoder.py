@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import MLAttention
-from .backend import AttentionBackend
-from .config import ModelConfig
-from .layers import MLP, MoE, RMSNorm
-from .rope import RotaryTable
+from model_workers.model.attention import MLAttention
+from model_workers.model.backend import AttentionBackend
+from model_workers.model.config import ModelConfig
+from model_workers.model.layers import MLP, MoE, RMSNorm
+from model_workers.model.rope import RotaryTable
 
 
 class DecoderLayer(nn.Module):

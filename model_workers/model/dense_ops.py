@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_ops import ATTENTION_BUDGET_BYTES, rows_per_chunk
+from model_workers.model.sparse_ops import ATTENTION_BUDGET_BYTES, rows_per_chunk
 
 
 def dense_causal_mla_attention(

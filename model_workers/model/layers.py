@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from model_workers.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +34,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Router(nn.Module):
+class MoEGate(nn.Module):
     """Sigmoid scores; choice adds `e_score_correction_bias`; groups ranked by their top-2 sum."""
 
     def __init__(self, config: ModelConfig):
@@ -97,7 +97,7 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate = Router(config)
+        self.gate = MoEGate(config)
         self.experts = Experts(config)
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = MLP(config.hidden_size, shared) if shared > 0 else None

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .config import ModelConfig, RopeSpec
+from model_workers.model.config import ModelConfig, RopeSpec
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache import PageTable
-from ..loader import load_model
-from ..runner import ExtendItem, ModelRunner
-from ..tokenizer import load_tokenizer
-from .corpus import HELD_OUT_EVERY, stdlib_files, token_stream
+from model_workers.kv_cache import PageTable
+from model_workers.checkpoint.loader import load_model
+from model_workers.runner import ExtendItem, ModelRunner
+from model_workers.checkpoint.tokenizer import load_tokenizer
+from model_workers.training.corpus import HELD_OUT_EVERY, stdlib_files, token_stream
 
 CARD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

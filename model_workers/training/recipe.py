@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model.decoder import DSAForCausalLM
-from .train_backend import TrainingBackend
+from model_workers.model.decoder import DSAForCausalLM
+from model_workers.training.train_backend import TrainingBackend
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..model.config import parse_model_config
-from ..model.decoder import DSAForCausalLM
-from ..model.layers import Router
-from ..saver import init_weights, save_checkpoint
-from .corpus import EOS_TOKEN, save_tokenizer, stdlib_files, token_stream, train_tokenizer
-from .recipe import Recipe, batch_losses, sample_windows, tiny_config_json
+from model_workers.model.config import parse_model_config
+from model_workers.model.decoder import DSAForCausalLM
+from model_workers.model.layers import MoEGate
+from model_workers.checkpoint.saver import init_weights, save_checkpoint
+from model_workers.training.corpus import EOS_TOKEN, save_tokenizer, stdlib_files, token_stream, train_tokenizer
+from model_workers.training.recipe import Recipe, batch_losses, sample_windows, tiny_config_json
 
 CALIBRATION_STEPS = 5  # step 1 pays one-off allocation costs; steps 2..5 time the budget
 
@@ -38,7 +38,7 @@ class ExpertBalancer:
 
     def __init__(self, model: DSAForCausalLM, rate: float):
         self.rate, self.counts = rate, {}
-        for router in (m for m in model.modules() if isinstance(m, Router)):
+        for router in (m for m in model.modules() if isinstance(m, MoEGate)):
             router.register_forward_hook(self._record)
 
     def _record(self, router, _inputs, output) -> None:

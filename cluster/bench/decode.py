@@ -1,0 +1,174 @@
+"""`dsa-serve bench decode`: tokens/s with MTP speculation (k draft tokens per step) at batch size B.
+
+Every configuration runs greedy (or sampled) requests B at a time through one engine, each generating
+--max-tokens tokens (EOS ignored), until every prompt of PROMPTS has run at least once. Reported per
+configuration: tokens/s; mean accepted length E and per-position acceptance next to (1 - a^(k+1)) / (1 - a);
+the draft cost c per token and verify cost v in plain steps, with the speedup E / (k·c + v) they predict;
+and the engine overhead per decode step: 1 - (model forward time) / (step wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import time
+
+from cluster.commands.args import add_dtype_argument, add_speculative_argument, int_list
+from cluster.config import MAX_SPECULATIVE_STEPS
+
+PROMPTS = (
+    "def __init__(self", "import os\nimport sys\n\n", "class Parser:\n    ", "for i in range(",
+    "    return self.", "if __name__ == '__main__':\n", "def read(path):\n    with open(", "# Copyright",
+)
+FORMULA = "(1 - a^(k+1)) / (1 - a), a = accepted / drafted"
+SPEEDUP_FORMULA = "E / (k*c + v): E mean accepted length, c draft cost per token and v verify cost, in plain steps"
+DECODE_FLAGS = ("model", "speculative_num_steps", "batch_size", "max_tokens", "temperature", "dtype", "steps_per_call", "ray")
+
+
+def add_parser(kinds) -> None:
+    decode = kinds.add_parser("decode", help="decode tokens/s with MTP speculation (k = 0 is plain decoding)")
+    decode.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    add_speculative_argument(decode, default="0,1,2,3,4", many=True)
+    decode.add_argument("--batch-size", default="1,8,32", help="B, or a comma list")
+    decode.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    decode.add_argument("--temperature", type=float, default=0.0)
+    add_dtype_argument(decode, default="bfloat16")
+    decode.add_argument("--steps-per-call", type=int, default=4, help="decode steps per worker call")
+    decode.add_argument("--ray", action="store_true",
+                        help="decode on a Ray worker actor as `serve` does (default: a worker in this process)")
+    decode.add_argument("--json", action="store_true", help="print one JSON object")
+    decode.add_argument("--plot", default=None, help="also draw the results into this PNG")
+    decode.set_defaults(run=run_decode)
+
+
+def spelled_command(kind: str, args: argparse.Namespace, names: tuple[str, ...]) -> str:
+    """`dsa-serve bench KIND --flag value ...` with every setting in `names` spelled out (flags set to True
+    appear bare, False / None ones are left out) and --json: the command that reproduces the result."""
+    words = ["dsa-serve", "bench", kind]
+    for name in names:
+        value = getattr(args, name)
+        if value is None or value is False:
+            continue
+        words.append("--" + name.replace("_", "-"))
+        if value is not True:
+            words.append(str(value))
+    return shlex.join(words + ["--json"])
+
+
+def formula(a: float, k: int) -> float:
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def measure(model_dir, k: int, batch: int, args) -> dict:
+    from cluster.engine_setup import EngineOptions, run_all
+    from cp_router.protocol import EngineRequest
+    from model_workers.checkpoint.tokenizer import encode, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [encode(tokenizer, p) if tokenizer else [1 + i, 2 + i, 3 + i] for i, p in enumerate(PROMPTS)]
+    options = EngineOptions(args.dtype, num_pages=batch * (args.max_tokens // 16 + 4), page_size=16,
+                            num_speculative_steps=k, max_steps_per_call=args.steps_per_call)
+    engine, close = open_engine(model_dir, options, args.ray)
+
+    def requests(tag: str, max_tokens: int, first: int):
+        return [EngineRequest(f"{tag}{i}", tuple(prompts[i % len(prompts)]), max_tokens, args.temperature,
+                              ignore_eos=True, seed=i) for i in range(first, first + batch)]
+
+    try:
+        run_all(engine, requests("warm", 8, 0))
+        before = copy.deepcopy(engine.stats)
+        start, tokens = time.perf_counter(), 0
+        for first in range(0, max(batch, len(PROMPTS)), batch):  # every prompt at least once, B at a time
+            tokens += sum(len(r["token_ids"]) for r in run_all(engine, requests("r", args.max_tokens, first)))
+        wall_s = time.perf_counter() - start
+        return summarize(engine.stats, before, k, batch, wall_s, tokens)
+    finally:
+        close()
+
+
+def open_engine(model_dir, options, use_ray: bool):
+    """(engine, close): a C = 1 engine over an in-process worker, or over one Ray worker actor."""
+    from cluster.engine_setup import LOCAL_CP, start_engine, start_local_engine
+    from cluster.launch import engine_cpus, start_ray
+
+    if not use_ray:
+        return start_local_engine(model_dir, options), lambda: None
+    import ray
+
+    started = start_ray(engine_cpus(1), None)
+    engine, group = start_engine(model_dir, LOCAL_CP, options)
+
+    def close():
+        group.shutdown()
+        if started:
+            ray.shutdown()
+    return engine, close
+
+
+def summarize(stats, before, k: int, batch: int, wall_s: float, tokens: int) -> dict:
+    drafted, accepted = stats.drafted - before.drafted, stats.accepted - before.accepted
+    per_position = [n - b for n, b in zip(stats.accepted_per_position, before.accepted_per_position)]
+    steps = {p: stats.decode_loop_steps.get(p, 0) - before.decode_loop_steps.get(p, 0) for p in ("plain", "speculative")}
+    model_s = {p: stats.decode_model_s.get(p, 0.0) - before.decode_model_s.get(p, 0.0) for p in ("plain", "draft", "verify")}
+    verify_steps = drafted // k if k else 0  # request-steps: one per request per verification
+    a = accepted / drafted if drafted else 0.0
+    only_wall = stats.decode_only_wall_s - before.decode_only_wall_s
+    only_model = stats.decode_only_model_s - before.decode_only_model_s
+    return {
+        "speculative_num_steps": k, "batch_size": batch, "tokens": tokens, "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s,
+        "mean_accepted_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,
+        "acceptance_rate": a, "formula_accepted_length": formula(a, k) if k else 1.0,
+        "per_position_acceptance": [n / verify_steps for n in per_position] if verify_steps else [],
+        "engine_steps": stats.steps - before.steps, "decode_loop_steps": steps, "decode_model_s": model_s,
+        "decode_only_steps": stats.decode_only_steps - before.decode_only_steps,
+        "engine_overhead_fraction": 1 - only_model / only_wall if only_wall else 0.0,
+    }
+
+
+def add_cost_model(runs: list[dict]) -> None:
+    """c (one draft token) and v (one verification) in units of a plain step at the same batch size, and
+    the speedup they predict, E / (k·c + v); needs the k = 0 run of that batch size."""
+    for run in runs:
+        base = next((r for r in runs if r["batch_size"] == run["batch_size"] and r["speculative_num_steps"] == 0), None)
+        k, steps = run["speculative_num_steps"], run["decode_loop_steps"]["speculative"]
+        if base is None or not k or not steps or not base["decode_loop_steps"]["plain"]:
+            continue
+        plain_step_s = base["decode_model_s"]["plain"] / base["decode_loop_steps"]["plain"]
+        run["draft_cost_c"] = run["decode_model_s"]["draft"] / (steps * k) / plain_step_s
+        run["verify_cost_v"] = run["decode_model_s"]["verify"] / steps / plain_step_s
+        run["predicted_speedup"] = run["mean_accepted_length"] / (k * run["draft_cost_c"] + run["verify_cost_v"])
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    from model_workers.checkpoint.model_dir import resolve_model_dir
+
+    ks = int_list(args.speculative_num_steps, "--speculative-num-steps", 0, MAX_SPECULATIVE_STEPS)
+    batches = int_list(args.batch_size, "--batch-size", 1, 256)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.plot:
+        from cluster.bench.plot import require_matplotlib
+        require_matplotlib()
+    model_dir = resolve_model_dir(args.model)
+    runs = [measure(model_dir, k, batch, args) for batch in batches for k in ks]
+    for run in runs:
+        base = next(r for r in runs if r["batch_size"] == run["batch_size"])
+        run["speedup_vs_first_k"] = run["tokens_per_s"] / base["tokens_per_s"]
+    add_cost_model(runs)
+    result = {"bench": "decode", "command": spelled_command("decode", args, DECODE_FLAGS), "model": str(model_dir),
+              "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "engine": "ray worker" if args.ray else "in-process worker", "formula": FORMULA,
+              "speedup_formula": SPEEDUP_FORMULA, "runs": runs}
+    if args.plot:
+        from cluster.bench.plot import save_plot
+        save_plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for run in runs:
+            print(f"k={run['speculative_num_steps']} B={run['batch_size']}: {run['tokens_per_s']:.1f} tok/s,"
+                  f" accepted length {run['mean_accepted_length']:.2f} (formula {run['formula_accepted_length']:.2f})")
+    return 0

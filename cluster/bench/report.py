@@ -1,0 +1,250 @@
+"""`dsa-serve bench report`: BENCHMARKS.md from a folder of bench JSON results.
+
+Every `*.json` in --results is the one JSON object a `dsa-serve bench ... --json` command printed. The
+report gives the machine, one section per result (its command, a table of its key numbers, its plot,
+drawn into --plots-dir and linked relative to the report), and the targets with PASS / MISS / not
+measured (`bench_targets.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+from cluster.bench.plot import decode_series, prefill_points, save_plot
+from cluster.bench.targets import evaluate
+
+NO_COMMAND = "(the JSON records no command; re-run the bench with --json and a version that records it)"
+BENCH_ORDER = ("prefill", "attention", "decode", "serve")
+
+
+def add_parser(kinds) -> None:
+    report = kinds.add_parser("report", help="write BENCHMARKS.md from a folder of bench JSON results")
+    report.add_argument("--results", required=True, help="folder of *.json results (one bench command each)")
+    report.add_argument("--out", default="BENCHMARKS.md", help="markdown file to write")
+    report.add_argument("--plots-dir", default="docs", help="folder for the PNG plots (linked relatively)")
+    report.add_argument("--notes", default=None, help="markdown inserted after the targets (analysis of the results)")
+    report.set_defaults(run=run_report)
+
+
+def load_results(folder: Path) -> tuple[list[tuple[str, dict]], list[str]]:
+    """(name, result) per readable bench JSON, sorted by bench then file name; and notes on skipped files."""
+    results, skipped = [], []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            skipped.append(f"{path.name}: not JSON ({exc})")
+            continue
+        if not isinstance(result, dict) or "bench" not in result:
+            skipped.append(f"{path.name}: no \"bench\" key")
+            continue
+        results.append((path.stem, result))
+    rank = {kind: i for i, kind in enumerate(BENCH_ORDER)}
+    return sorted(results, key=lambda item: (rank.get(item[1]["bench"], len(rank)), item[0])), skipped
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(fmt(v) for v in value)
+    return str(value)
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+
+
+def attention_table(result: dict) -> list[str]:
+    rows = [[r["length"], r["sparse_s"], r["sparse_indexer_s"], r["sparse_indexer_s"] / r["sparse_s"],
+             r["sparse_attention_s"], r["dense_s"], r["dense_over_sparse"]] for r in result["runs"]]
+    lines = markdown_table(["L", "sparse s", "indexer s", "indexer share", "gathered attention s", "dense s",
+                            "dense / sparse"], rows)
+    crossover = result.get("crossover_length")
+    where = f"L = {crossover} ({result['crossover_over_index_topk']:g} x index_topk)" if crossover else "never"
+    return lines + ["", f"index_topk = {result['index_topk']}, dtype {result.get('dtype')}, "
+                        f"{result.get('threads')} thread(s); sparse faster than dense from: {where}."]
+
+
+def prefill_table(result: dict) -> list[str]:
+    rows = []
+    for p in prefill_points(result):
+        entry = p["entry"]
+        speedup = p["c1_wall_s"] / p["cp_wall_s"] if p["c1_wall_s"] and p["cp_wall_s"] else None
+        rss = entry.get("peak_rss_bytes_per_rank")
+        rows.append([p["prompt_len"], p["cp_size"], p["c1_wall_s"], entry.get("c1_cthreads_wall_s"), p["cp_wall_s"],
+                     speedup, p["efficiency"], entry.get("equal_cores_ratio"),
+                     entry.get("compute_imbalance_max_over_mean"), entry.get("measured_kv_bytes_per_rank"),
+                     entry.get("formula_kv_bytes_per_rank"), max(rss) / 2**30 if rss else None])
+    lines = markdown_table(["L", "C", "C=1 1 thread s", "C=1 C threads s", "C ranks s", "speedup",
+                            "strong-scaling eff.", "equal-cores ratio", "compute max/mean", "KV gather bytes/rank",
+                            "formula", "peak RSS/rank GiB"], rows)
+    return lines + [""] + prefill_detail(result)
+
+
+def prefill_detail(result: dict) -> list[str]:
+    """Causal-work imbalance per layout and the phase split, per length (new layout only)."""
+    entries = result.get("lengths") or []
+    if not entries:
+        return []
+    layouts = ("zigzag", "interleave", "contiguous")
+    rows = [[e["prompt_len"], *[e.get("modeled_causal_work_imbalance", {}).get(k) for k in layouts],
+             e.get("compute_imbalance_max_over_mean")] for e in entries]
+    lines = ["Causal work max/mean per rank (model: causal query-key pairs each rank's indexer scores), next to "
+             f"the measured compute max/mean of this run ({result.get('cp_strategy')}):", ""]
+    lines += markdown_table(["L", *[f"{k} (model)" for k in layouts], "measured"], rows)
+    phases = ("indexer", "attention", "mlp", "communication", "other")
+    rows = []
+    for e in entries:
+        rows.append([e["prompt_len"], "C=1", *[e.get("c1_phase_s", {}).get(k) for k in phases]])
+        for rank, split in enumerate(e.get("per_rank_phase_s") or []):
+            rows.append([e["prompt_len"], f"rank {rank}", *[split.get(k) for k in phases]])
+    lines += ["", "Time split per phase (seconds; indexer = indexer projections + scoring + top-k):", ""]
+    lines += markdown_table(["L", "run", *phases], rows)
+    if result.get("measured_kv_bytes_per_token") is not None:
+        lines += ["", f"KV cache bytes per token: measured {result['measured_kv_bytes_per_token']}, formula "
+                      f"{result.get('formula_kv_bytes_per_token')} = {result.get('kv_token_formula')}."]
+    return lines
+
+
+def decode_table(result: dict) -> list[str]:
+    rows = [[r.get("speculative_num_steps"), batch, r.get("tokens_per_s"), r.get("speedup_vs_first_k"),
+             r.get("mean_accepted_length"), r.get("formula_accepted_length"), r.get("per_position_acceptance"),
+             r.get("draft_cost_c"), r.get("verify_cost_v"), r.get("predicted_speedup"),
+             r.get("engine_overhead_fraction")]
+            for batch, runs in decode_series(result).items() for r in runs]
+    lines = markdown_table(["k", "B", "tokens/s", "x vs k=0", "accepted length E", "(1-a^(k+1))/(1-a)",
+                            "per-position acceptance", "draft cost c", "verify cost v", "E/(k·c+v)",
+                            "engine overhead"], rows)
+    return lines + ["", f"Engine: {result.get('engine', 'in-process worker')}; dtype {result.get('dtype')}; "
+                        f"c and v in plain decode steps of the same batch size."]
+
+
+def serve_table(result: dict) -> list[str]:
+    def p50(run: dict | None, key: str):
+        return ((run or {}).get(key) or {}).get("p50")
+
+    rows = [[r.get("concurrency"), r.get("output_tokens_per_s"), p50(r, "ttft_s"), p50(r, "itl_s"),
+             r.get("ttft_p50_ratio"), r.get("itl_p50_ratio"), (r.get("transformers") or {}).get("output_tokens_per_s"),
+             r.get("throughput_vs_transformers")] for r in result.get("runs", [])]
+    return markdown_table(["C", "tokens/s", "TTFT p50 s", "ITL p50 s", "TTFT HTTP / in-proc", "ITL HTTP / in-proc",
+                           "transformers tokens/s", "x transformers"], rows)
+
+
+def generic_table(result: dict) -> list[str]:
+    """Any other bench: its top-level numbers, then its runs (the union of their scalar keys)."""
+    scalars = [[k, v] for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    lines = markdown_table(["key", "value"], scalars) if scalars else []
+    runs = [r for r in result.get("runs", []) if isinstance(r, dict)]
+    keys = list(dict.fromkeys(k for r in runs for k, v in r.items() if isinstance(v, (int, float, str))))
+    if runs and keys:
+        lines += [""] + markdown_table(keys, [[r.get(k) for k in keys] for r in runs])
+    return lines
+
+
+TABLES = {"attention": attention_table, "prefill": prefill_table, "decode": decode_table, "serve": serve_table}
+
+
+def machine_lines() -> list[str]:
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    memory = meminfo_gib()
+    return [
+        f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores",
+        f"- memory: {memory:.1f} GiB" if memory else "- memory: unknown",
+        f"- OS: {platform.platform()}; Python {platform.python_version()}",
+        f"- torch {version('torch')}, ray {version('ray')}",
+        f"- report written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (the machine the "
+        "report ran on; run the benches on the same machine)",
+    ]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def meminfo_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / (1 << 20)  # kB -> GiB
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def result_section(name: str, result: dict, plots_dir: Path, out_dir: Path) -> list[str]:
+    lines = [f"### {result['bench']}: `{name}.json`", "", "```", result.get("command") or NO_COMMAND, "```", ""]
+    try:
+        lines += TABLES.get(result["bench"], generic_table)(result) + [""]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a layout this report does not know
+        lines += [f"(expected key missing: {exc!r}; all numbers:)", ""] + generic_table(result) + [""]
+    plot = plots_dir / f"{name}.png"
+    try:
+        save_plot(result, str(plot))
+        lines.append(f"![{result['bench']} {name}]({Path(os.path.relpath(plot, out_dir)).as_posix()})")
+    except Exception as exc:  # noqa: BLE001 - a plot that cannot be drawn must not lose the report
+        lines.append(f"(plot not drawn: {exc})")
+    return lines + [""]
+
+
+def targets_lines(results: list[tuple[str, dict]]) -> list[str]:
+    by_kind: dict[str, list[dict]] = {}
+    for _, result in results:
+        by_kind.setdefault(result["bench"], []).append(result)
+    rows = [[target.name, f"`bench {target.bench}`", measured, verdict]
+            for target, measured, verdict in evaluate(by_kind)]
+    return markdown_table(["target", "from", "measured", "verdict"], rows)
+
+
+def build_report(results_dir: Path, out: Path, plots_dir: Path, notes: Path | None = None) -> str:
+    results, skipped = load_results(results_dir)
+    lines = ["# Benchmarks", "", f"Generated by `dsa-serve bench report --results {results_dir}` from "
+             f"{len(results)} result file(s); reproduce everything with `make bench`.", "", "## Machine", "",
+             *machine_lines(), "", "## Targets", ""]
+    lines += targets_lines(results) + [""]
+    if notes is not None:
+        lines += [notes.read_text().rstrip(), ""]
+    lines += ["## Results", ""]
+    if not results:
+        lines += ["No bench results found: every bench is not measured.", ""]
+    for name, result in results:
+        lines += result_section(name, result, plots_dir, out.parent)
+    if skipped:
+        lines += ["## Skipped files", "", *[f"- {note}" for note in skipped], ""]
+    return "\n".join(lines)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    results_dir = Path(args.results)
+    if not results_dir.is_dir():
+        raise ValueError(f"--results must be a folder of bench JSON files, got {args.results!r}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    notes = Path(args.notes) if args.notes else None
+    if notes is not None and not notes.is_file():
+        raise ValueError(f"--notes must be a markdown file, got {args.notes!r}")
+    out.write_text(build_report(results_dir, out, Path(args.plots_dir), notes))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,157 @@
+"""The project's performance targets, each checked against the bench results that measure it.
+
+A check takes {bench kind: [result, ...]} and returns (measured text, True / False), or None when no
+result measures it ("not measured"). Key names a bench may still rename are read through
+`bench_plot.first_key` / `prefill_points`, so a layout change is absorbed here in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from cluster.bench.plot import decode_series, first_key, prefill_points
+
+GIB = 1 << 30
+Outcome = tuple[str, bool] | None
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    bench: str  # which bench's results it reads
+    check: Callable[[dict[str, list[dict]]], Outcome]
+
+
+def cp_efficiency(results: dict[str, list[dict]]) -> Outcome:
+    points = [p for r in results.get("prefill", []) for p in prefill_points(r)
+              if p["cp_size"] == 2 and (p["prompt_len"] or 0) >= 8192 and p["efficiency"] is not None]
+    if not points:
+        return None
+    worst = min(points, key=lambda p: p["efficiency"])
+    lengths = ", ".join(str(p["prompt_len"]) for p in points)
+    text = f"min {worst['efficiency']:.3f} (at L={worst['prompt_len']}; L measured: {lengths})"
+    return text, worst["efficiency"] >= 0.90
+
+
+def sparse_crossover(results: dict[str, list[dict]]) -> Outcome:
+    outcomes = []
+    for result in results.get("attention", []):
+        topk, crossover = result["index_topk"], result.get("crossover_length")
+        longest = max(r["length"] for r in result["runs"])
+        if crossover is None and longest <= 4 * topk:
+            continue  # never measured past 4·topk: no verdict either way
+        text = f"L={crossover} = {crossover / topk:g} x index_topk {topk}" if crossover else "sparse never faster"
+        outcomes.append((text, crossover is not None and crossover <= 4 * topk))
+    return combine(outcomes)
+
+
+def decode_run(result: dict, k: int, batch: int) -> dict | None:
+    runs = decode_series(result).get(batch, [])
+    return next((r for r in runs if r.get("speculative_num_steps", 0) == k), None)
+
+
+def spec_speedup(results: dict[str, list[dict]]) -> Outcome:
+    outcomes = []
+    for result in results.get("decode", []):
+        base, spec = decode_run(result, 0, 1), decode_run(result, 2, 1)
+        if base and spec:
+            ratio = spec["tokens_per_s"] / base["tokens_per_s"]
+            text = f"{ratio:.2f}x ({spec['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tok/s)"
+            outcomes.append((text, ratio >= 1.5))
+    return combine(outcomes)
+
+
+def engine_overhead(results: dict[str, list[dict]]) -> Outcome:
+    outcomes = []
+    for result in results.get("decode", []):
+        runs = decode_series(result).get(8, [])
+        run = decode_run(result, 0, 8) or (runs[0] if runs else None)
+        if run and run.get("engine_overhead_fraction") is not None:
+            share = run["engine_overhead_fraction"]
+            outcomes.append((f"{share:.1%} (k={run.get('speculative_num_steps', 0)})", share <= 0.15))
+    return combine(outcomes)
+
+
+def serve_ratio(key: str, limit: float) -> Callable[[dict[str, list[dict]]], Outcome]:
+    """HTTP / in-process ratio `key` of every serve run (each concurrency level) must be <= limit."""
+
+    def check(results: dict[str, list[dict]]) -> Outcome:
+        runs = [run for r in results.get("serve", []) for run in r.get("runs", []) if run.get(key) is not None]
+        return combine([(f"C={run.get('concurrency')}: {run[key]:.3f}", run[key] <= limit) for run in runs])
+
+    return check
+
+
+def transformers_throughput(results: dict[str, list[dict]]) -> Outcome:
+    outcomes = []
+    for result in results.get("serve", []):
+        for run in result.get("runs", []):
+            ratio = first_key(run, "throughput_vs_transformers", "throughput_over_transformers")
+            if run.get("concurrency") == 32 and ratio is not None:
+                outcomes.append((f"{ratio:.2f}x ({run.get('output_tokens_per_s', 0):.1f} tok/s HTTP)", ratio >= 5))
+    return combine(outcomes)
+
+
+def peak_rss(results: dict[str, list[dict]]) -> Outcome:
+    names = ("peak_rss_bytes_per_rank", "per_rank_peak_rss_bytes", "peak_rss_bytes")
+    outcomes = []
+    for point in (p for r in results.get("prefill", []) for p in prefill_points(r)):
+        runs = point["entry"].get("runs") or [{}]
+        value = first_key(point["entry"], *names, default=first_key(runs[-1], *names))
+        if value is not None and (point["prompt_len"] or 0) >= 32768:
+            worst = max(value) if isinstance(value, list) else value
+            text = f"{worst / GIB:.2f} GiB (L={point['prompt_len']}, C={point['cp_size']})"
+            outcomes.append((text, worst <= 4 * GIB))
+    return combine(outcomes)
+
+
+def kv_bytes(results: dict[str, list[dict]]) -> Outcome:
+    outcomes = []
+    for result in (r for rs in results.values() for r in rs):
+        if result.get("measured_kv_bytes_per_token") is not None:
+            measured, formula = result["measured_kv_bytes_per_token"], result.get("formula_kv_bytes_per_token")
+            unit = "bytes/token"
+        elif result.get("bench") == "prefill" and result.get("cp_size", 1) > 1:
+            measured, formula = result.get("measured_kv_bytes_per_rank"), result.get("formula_kv_bytes_per_rank")
+            unit = f"gathered bytes/rank at L={result.get('prompt_len')}, C={result.get('cp_size')}"
+        else:
+            continue
+        if measured is not None and formula:
+            outcomes.append((f"{measured:.0f} vs formula {formula:.0f} {unit}", abs(measured / formula - 1) <= 0.01))
+    return combine(outcomes)
+
+
+def combine(outcomes: list[tuple[str, bool]]) -> Outcome:
+    """Several results measuring one target: every one must pass."""
+    if not outcomes:
+        return None
+    return "; ".join(text for text, _ in outcomes), all(ok for _, ok in outcomes)
+
+
+TARGETS = (
+    Target("CP strong-scaling efficiency at C=2 >= 0.90 for prompts >= 8k", "prefill", cp_efficiency),
+    Target("sparse attention faster than dense beyond ~4 x index_topk (crossover <= 4 x index_topk)",
+           "attention", sparse_crossover),
+    Target("speculative decoding k=2, batch 1 >= 1.5x tokens/s of k=0", "decode", spec_speedup),
+    Target("serving TTFT p50 HTTP / in-process <= 1.15 (every concurrency)", "serve",
+           serve_ratio("ttft_p50_ratio", 1.15)),
+    Target("serving ITL p50 HTTP / in-process <= 1.10 (every concurrency)", "serve",
+           serve_ratio("itl_p50_ratio", 1.10)),
+    Target("throughput at concurrency 32 >= 5x transformers", "serve", transformers_throughput),
+    Target("per-step engine overhead <= 15% at batch 8", "decode", engine_overhead),
+    Target("peak RSS per rank for a 32k prefill <= 4 GiB", "prefill", peak_rss),
+    Target("KV bytes = formula (within 1%)", "prefill", kv_bytes),
+)
+
+
+def evaluate(results: dict[str, list[dict]]) -> list[tuple[Target, str, str]]:
+    """(target, measured text, "PASS" | "MISS" | "not measured") for every target."""
+    rows = []
+    for target in TARGETS:
+        outcome = target.check(results)
+        if outcome is None:
+            rows.append((target, "not measured", "not measured"))
+        else:
+            rows.append((target, outcome[0], "PASS" if outcome[1] else "MISS"))
+    return rows

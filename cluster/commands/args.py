@@ -1,0 +1,53 @@
+"""Command-line options shared by the sub-commands, with their allowed values taken from `cluster.config`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import get_args
+
+from cluster.config import (CPImplName, CPStrategyName, DeviceName, DTypeName, MAX_SPECULATIVE_STEPS,
+                            ResolvedCPConfig, parse_cp_config, resolve_cp_config)
+
+
+def add_cp_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument("--cp-size", type=int, required=required, default=None,
+                        help="context-parallel ranks (one Ray actor each); runs through Ray when given")
+    parser.add_argument("--cp-strategy", choices=get_args(CPStrategyName), default="zigzag")
+    parser.add_argument("--cp-impl", choices=get_args(CPImplName), default="auto")
+    parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--dtype", choices=get_args(DTypeName), default=default,
+                        help="weights and KV cache as stored (bfloat16 computes in float32 on CPUs without bf16)")
+
+
+def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--device", choices=get_args(DeviceName), default=default)
+
+
+def add_speculative_argument(parser: argparse.ArgumentParser, default: int | str = 0, many: bool = False) -> None:
+    """--speculative-num-steps: one k (`many=False`) or a comma list of k (a benchmark sweep)."""
+    what = "a comma list of k" if many else "k"
+    parser.add_argument("--speculative-num-steps", type=str if many else int, default=default,
+                        help=f"MTP draft tokens per step ({what}, 0..{MAX_SPECULATIVE_STEPS}; 0 = plain decoding)")
+
+
+def int_list(text: str, flag: str, low: int, high: int) -> list[int]:
+    """A comma list of integers in low..high; ValueError naming the flag otherwise."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not all(low <= v <= high for v in values):
+        raise ValueError(f"{flag} values must be in {low}..{high}, got {text!r}")
+    return values
+
+
+def resolve_cp_args(args: argparse.Namespace, model_dir: Path) -> ResolvedCPConfig:
+    """The CP flags checked against the model's config.json (one-line errors naming the flag's field)."""
+    fields = {"enable_prefill_cp": True, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
+              "cp_impl": args.cp_impl}
+    return resolve_cp_config(parse_cp_config(fields), json.loads((model_dir / "config.json").read_text()))

@@ -1,0 +1,19 @@
+"""`dsa-serve bench KIND`: benchmarks that print JSON (and draw a PNG with --plot).
+
+prefill: CP scaling over prompt lengths; attention: sparse vs dense per layer; decode: MTP speculation;
+serve: HTTP load against the in-process engine and `transformers`; report: BENCHMARKS.md from results.
+"""
+
+from __future__ import annotations
+
+from cluster.bench import attention, decode, prefill, report, serve
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print JSON")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    prefill.add_parser(kinds)
+    attention.add_parser(kinds)
+    decode.add_parser(kinds)
+    serve.add_parser(kinds)
+    report.add_parser(kinds)

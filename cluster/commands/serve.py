@@ -1,0 +1,114 @@
+"""`dsa-serve serve`: the OpenAI-style HTTP server (cluster/serve_app.py) on Ray Serve, until Ctrl-C.
+
+Starts a local Ray (or joins --ray-address / $RAY_ADDRESS) sized for the ingress plus --replicas CP
+groups, runs the application, prints where it listens, and on Ctrl-C (or SIGTERM) shuts Serve and the
+Ray it started down. Each HTTP request logs one INFO line (`dsa_serve.access`, from the ingress replica).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from typing import get_args
+
+import torch
+
+from cluster.commands.args import add_cp_arguments, add_device_argument, add_dtype_argument, add_speculative_argument
+from cluster.serve_settings import API_KEY_ENV, EnginePlacement
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("serve", help="serve the OpenAI-style HTTP API on Ray Serve")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    add_cp_arguments(parser)
+    parser.set_defaults(cp_size=2)
+    add_speculative_argument(parser)
+    add_dtype_argument(parser, default="float32")
+    add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help=f"require this Bearer key on /v1 (default: env {API_KEY_ENV})")
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
+    add_placement_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def add_placement_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-placement", choices=get_args(EnginePlacement), default="separate",
+                        help="colocated: one deployment is HTTP app + engine; separate: DSAIngress -> DSAEngine")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+
+
+def app_args(args: argparse.Namespace):
+    from cluster.serve_app import validate_args
+
+    fields = {"model": args.model, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
+              "cp_impl": args.cp_impl, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
+              "device": args.device, "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
+    return validate_args(fields)
+
+
+def wait_for_stop() -> None:
+    """Blocks until SIGTERM (Ctrl-C raises KeyboardInterrupt, which the caller catches)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    from model_workers.checkpoint.model_dir import resolve_model_dir
+
+    from cluster.commands.args import resolve_cp_args
+    from cluster.launch import engine_cpus, start_ray
+    from cluster.serve_app import APP_NAME, build_application
+
+    check_arguments(args)
+    # Ctrl-C must stop the server even when this process inherited SIGINT as ignored (a parent that
+    # ignores it, e.g. some launchers and test runners): Python then installs no KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    settings = app_args(args)
+    model_dir = resolve_model_dir(settings.model)
+    resolve_cp_args(settings, model_dir)  # CP flags checked against the model before Ray starts
+    started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(settings, args.replicas), name=APP_NAME, route_prefix="/")
+        print(f"dsa-serve: serving {model_dir.name} (cp_size={settings.cp_size}, replicas={args.replicas}) on "
+              f"http://{args.host}:{args.port}/v1; Ctrl-C stops", flush=True)
+        wait_for_stop()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_serve(serve, wait_s=SERVE_SHUTDOWN_WAIT_S if started else None)
+        if started:
+            import ray
+
+            ray.shutdown()  # stops every process of the local cluster, whatever Serve left running
+    print("dsa-serve: stopped", flush=True)
+    return 0
+
+
+SERVE_SHUTDOWN_WAIT_S = 30.0
+
+
+def stop_serve(serve, wait_s: float | None) -> None:
+    """serve.shutdown() (replicas drain their requests); on a cluster this command started, waits at most
+    `wait_s` seconds for it, since ray.shutdown() afterwards stops whatever is still running."""
+    if wait_s is None:
+        serve.shutdown()
+        return
+    done = threading.Thread(target=serve.shutdown, daemon=True)
+    done.start()
+    done.join(wait_s)
+    if done.is_alive():
+        print(f"dsa-serve: Serve did not shut down within {wait_s:g}s; stopping the local Ray cluster", flush=True)

@@ -1,0 +1,86 @@
+"""Reading a JSON request body defensively: content type, size limit, UTF-8, JSON, then the pydantic model.
+
+Each step fails with its own 400 (or 413) naming what is wrong, so no malformed input reaches a route.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from cluster.http_api.errors import APIError, bad_request, validation_error
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def _is_json_media_type(content_type: str) -> bool:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
+def _too_large(size: int, max_bytes: int) -> APIError:
+    return APIError(413, f"request body is {size} bytes or more; the limit is {max_bytes} bytes",
+                    code="request_too_large")
+
+
+def check_content_type(request: Request) -> None:
+    content_type = request.headers.get("content-type", "")
+    if not _is_json_media_type(content_type):
+        raise bad_request(f"Content-Type must be application/json (got {content_type or 'none'!r})",
+                          code="invalid_content_type")
+
+
+def _declared_length(request: Request) -> int | None:
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return None
+    if not declared.strip().isdigit():
+        raise bad_request(f"Content-Length must be a non-negative integer (got {declared!r})")
+    return int(declared)
+
+
+async def read_limited_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body; 413 as soon as the declared or the received size passes `max_bytes`."""
+    declared = _declared_length(request)
+    if declared is not None and declared > max_bytes:
+        raise _too_large(declared, max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}",
+                          code="invalid_encoding") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def validate_body(payload: Any, model: type[ModelT]) -> ModelT:
+    if not isinstance(payload, dict):
+        raise bad_request(f"request body must be a JSON object (got {type(payload).__name__})")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(), model.model_fields) from None
+
+
+async def read_json_body(request: Request, model: type[ModelT], max_bytes: int) -> ModelT:
+    check_content_type(request)
+    return validate_body(decode_json(await read_limited_body(request, max_bytes)), model)

@@ -1,0 +1,118 @@
+"""One HTTP request fans out into engine streams (prompts x n choices); their chunks merge back in arrival order.
+
+Every engine stream that is left before its finish reason (client gone, task cancelled, a sibling choice
+failed) is aborted in the engine, so its KV pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+from cp_router.protocol import EngineChunk, EngineClient, EngineRequest
+from cluster.http_api.openai_requests import MAX_SEED, ModelLimits, SamplingRequest
+from cluster.http_api.prompt_encoding import EncodedPrompt
+
+T = TypeVar("T")
+
+
+class EngineStreamError(RuntimeError):
+    """The engine broke its contract (a stream ended without a finish reason)."""
+
+
+@dataclass(frozen=True)
+class PlannedChoice:
+    index: int  # the OpenAI choice index: prompt_index * n + sample_index
+    prompt: EncodedPrompt
+    request: EngineRequest
+
+
+def plan_choices(request_id: str, prompts: list[EncodedPrompt], max_tokens: list[int], body: SamplingRequest,
+                 logprobs: int | None, limits: ModelLimits) -> list[PlannedChoice]:
+    """n engine requests per prompt; with a seed, choice i samples with seed + i (so the n choices differ)."""
+    limits.check_token_ids(body.stop_token_ids, "stop_token_ids")
+    planned = []
+    for prompt_index, prompt in enumerate(prompts):
+        for sample_index in range(body.n):
+            index = prompt_index * body.n + sample_index
+            seed = None if body.seed is None else (body.seed + index) % (MAX_SEED + 1)
+            request = EngineRequest(
+                request_id=f"{request_id}-{index}", prompt_token_ids=tuple(prompt.token_ids),
+                max_tokens=max_tokens[prompt_index], temperature=body.temperature, top_p=body.top_p,
+                top_k=limits.engine_top_k(body.top_k), min_tokens=body.min_tokens,
+                stop_token_ids=tuple(body.stop_token_ids), stop=tuple(body.stop), ignore_eos=body.ignore_eos,
+                seed=seed, logprobs=logprobs)
+            planned.append(PlannedChoice(index, prompt, request))
+    return planned
+
+
+async def _close(stream: AsyncIterator[EngineChunk]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def _pump(engine: EngineClient, choice: PlannedChoice, queue: asyncio.Queue) -> None:
+    """Forward one engine stream into `queue` as (index, chunk | exception | None at the end)."""
+    stream = engine.generate(choice.request)
+    finished = False
+    try:
+        async for chunk in stream:
+            queue.put_nowait((choice.index, chunk))
+            if chunk.finish_reason is not None:
+                finished = True
+                break
+        if not finished:
+            raise EngineStreamError(f"engine stream of {choice.request.request_id} ended without a finish reason")
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which answers with an error body
+        queue.put_nowait((choice.index, exc))
+    finally:
+        if not finished:  # shielded: a second cancellation must not leave the request running in the engine
+            await asyncio.shield(engine.abort(choice.request.request_id))
+        await _close(stream)
+        queue.put_nowait((choice.index, None))
+
+
+async def merge_choice_streams(engine: EngineClient,
+                               choices: list[PlannedChoice]) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """(choice index, chunk) pairs from all choices as they arrive; re-raises the first engine error."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(engine, choice, queue)) for choice in choices]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`; if the client disconnects first, cancel it (aborting its streams), raise ClientDisconnect."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work not in done:
+        raise ClientDisconnect()
+    return work.result()

@@ -1,0 +1,148 @@
+"""The HTTP ingress: an OpenAI-style FastAPI app over an `EngineClient` (see cluster/engine_protocol.py).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (404 unless the checkpoint has a chat template),
+GET /v1/models, GET /health, GET /metrics. The /v1 routes need `Authorization: Bearer <key>` when an API
+key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY); /health and /metrics are open, for
+probes and scrapers. Everything is validated and tokenized here, before the engine is reached.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request, params
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from cluster.http_api.choice_streams import plan_choices
+from cp_router.protocol import EngineClient, ModelInfo, one_line
+from cluster.http_api.generation import Generation, respond_stream, respond_whole
+from cluster.http_api.body import read_json_body
+from cluster.http_api.errors import APIError, install_error_handlers
+from cluster.http_api.middleware import AccessLogMiddleware, ConcurrencyLimitMiddleware, api_key_dependency
+from cp_router.metrics import ServeMetrics, merge_metrics_text
+from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
+from cluster.http_api.openai_requests import ChatCompletionRequest, CompletionRequest, ModelLimits, SamplingRequest
+from cluster.http_api.openai_responses import ModelCard, ModelList
+from cluster.http_api.prompt_encoding import PromptEncoder
+from cluster.serve_settings import IngressSettings
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+@dataclass(frozen=True)
+class Ingress:
+    engine: EngineClient
+    settings: IngressSettings
+    info: ModelInfo
+    limits: ModelLimits
+    encoder: PromptEncoder
+    metrics: ServeMetrics
+    started: int
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.info.name:
+            raise APIError(404, f"model {requested!r} does not exist; this server serves {self.info.name!r}",
+                           param="model", code="model_not_found")
+
+    def plan_completion(self, body: CompletionRequest) -> Generation:
+        prompts = [self.encoder.encode(prompt, self.limits) for prompt in body.prompts()]
+        max_tokens = [self.limits.resolve_max_tokens(len(p.token_ids), body.max_tokens, body.min_tokens, "prompt")
+                      for p in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        choices = plan_choices(request_id, prompts, max_tokens, body, body.logprobs, self.limits)
+        return Generation(request_id, choices, CompletionFormatter(request_id, self.info.name),
+                          sum(len(prompt.token_ids) for prompt in prompts), echo=body.echo)
+
+    def plan_chat(self, body: ChatCompletionRequest) -> Generation:
+        prompt = self.encoder.encode_chat(body.messages, self.limits)
+        max_tokens = self.limits.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens,
+                                                    body.min_tokens, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits)
+        return Generation(request_id, choices, ChatFormatter(request_id, self.info.name), len(prompt.token_ids))
+
+    async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:
+        request.state.request_id = generation.request_id
+        if body.stream:
+            return await respond_stream(request, self.engine, self.encoder, generation, body.include_usage_in_stream)
+        whole = await respond_whole(request, self.engine, self.encoder, generation)
+        return JSONResponse(whole.model_dump(mode="json"))
+
+    async def read(self, request: Request, model: type[SamplingRequest]) -> SamplingRequest:
+        body = await read_json_body(request, model, self.settings.max_body_bytes)
+        if body.user is not None:
+            request.state.user = repr(body.user)
+        self.check_model(body.model)
+        return body
+
+    def model_list(self) -> ModelList:
+        card = ModelCard(id=self.info.name, created=self.started, max_model_len=self.info.max_model_len)
+        return ModelList(data=[card])
+
+    async def health(self) -> dict[str, str]:
+        try:
+            await self.engine.check_health()
+        except Exception as exc:  # noqa: BLE001 - any failure of the probe means "unhealthy"
+            raise APIError(503, f"engine unhealthy: {one_line(exc)}", code="engine_unhealthy") from None
+        return {"status": "ok"}
+
+    async def metrics_text(self) -> str:
+        try:
+            engine_text = await self.engine.metrics_text()
+        except Exception as exc:  # noqa: BLE001 - a replica that cannot report makes the scrape fail visibly
+            raise APIError(503, f"engine metrics unavailable: {exc}", code="metrics_unavailable") from None
+        return merge_metrics_text([self.metrics.render(), engine_text])
+
+
+def _open_ingress(engine_client: EngineClient, settings: IngressSettings) -> Ingress:
+    if not isinstance(engine_client, EngineClient):
+        raise TypeError(f"engine_client: {type(engine_client).__name__} lacks EngineClient methods (generate, abort, "
+                        "model_info, metrics_text, check_health)")
+    info = engine_client.model_info()
+    encoder = PromptEncoder.from_model_dir(settings.model_dir)
+    if info.has_chat_template and encoder.chat_template is None:
+        raise ValueError(f"model_dir: the engine's checkpoint has a chat template but {settings.model_dir!r} has no "
+                         "tokenizer_config.json chat_template; point IngressSettings.model_dir at the checkpoint")
+    return Ingress(engine_client, settings, info, ModelLimits(info.vocab_size, info.max_model_len), encoder,
+                   ServeMetrics(settings.metrics_replica), int(time.time()))
+
+
+def _add_routes(app: FastAPI, ingress: Ingress, authorized: params.Depends) -> None:
+    @app.post("/v1/completions", dependencies=[authorized])
+    async def completions(request: Request) -> Response:
+        body = await ingress.read(request, CompletionRequest)
+        return await ingress.respond(request, body, ingress.plan_completion(body))
+
+    @app.post("/v1/chat/completions", dependencies=[authorized])
+    async def chat_completions(request: Request) -> Response:
+        body = await ingress.read(request, ChatCompletionRequest)
+        return await ingress.respond(request, body, ingress.plan_chat(body))
+
+    @app.get("/v1/models", dependencies=[authorized])
+    async def models() -> JSONResponse:
+        return JSONResponse(ingress.model_list().model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(await ingress.health())
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(await ingress.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(engine_client: EngineClient, settings: IngressSettings | None = None) -> FastAPI:
+    """The ingress FastAPI app over `engine_client`; raises ValueError on inconsistent settings."""
+    settings = settings or IngressSettings()
+    ingress = _open_ingress(engine_client, settings)
+    app = FastAPI(title="dsa-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    app.add_middleware(ConcurrencyLimitMiddleware, paths=GENERATION_PATHS, limit=settings.max_ongoing_requests,
+                       retry_after_s=settings.retry_after_s)
+    app.add_middleware(AccessLogMiddleware, metrics=ingress.metrics)
+    _add_routes(app, ingress, Depends(api_key_dependency(settings.resolved_api_key())))
+    app.state.ingress = ingress
+    return app

@@ -1,0 +1,99 @@
+"""ASGI middleware of the ingress: one access log line per request, bounded concurrency, API key check."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Callable
+
+from fastapi import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cluster.http_api.errors import APIError, error_response, retry_later
+from cp_router.metrics import ServeMetrics
+
+access_logger = logging.getLogger("dsa_serve.access")
+LOGGED_STATE_FIELDS = ("request_id", "prompt_tokens", "completion_tokens", "finish", "error", "user")
+
+
+def route_path(scope: Scope) -> str:
+    """The path without the app's mount prefix (Ray Serve passes route_prefix as root_path)."""
+    path, root_path = scope.get("path", ""), scope.get("root_path", "")
+    if root_path and path.startswith(root_path + "/"):
+        return path[len(root_path):]
+    return path
+
+
+class AccessLogMiddleware:
+    """Logs one INFO line per HTTP request when its response is complete; counts its error, if any."""
+
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), 0
+
+        async def status_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, status_send)
+        finally:
+            self._log(scope, status, time.monotonic() - start)
+
+    def _log(self, scope: Scope, status: int, seconds: float) -> None:
+        state = scope.get("state", {})
+        if state.get("error"):
+            self.metrics.count_error(state["error"])
+        client = scope.get("client") or ("-", 0)
+        fields = " ".join(f"{name}={state[name]}" for name in LOGGED_STATE_FIELDS if state.get(name) is not None)
+        access_logger.info("%s %s %s %d %.1fms %s", client[0], scope.get("method"), scope.get("path"), status,
+                           seconds * 1000, fields)
+
+
+class ConcurrencyLimitMiddleware:
+    """At most `limit` requests to `paths` in flight (streams count until their last byte); beyond: 429."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str], limit: int, retry_after_s: int):
+        self.app, self.paths, self.limit, self.retry_after_s = app, paths, limit, retry_after_s
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            err = retry_later(429, f"too many requests in flight (limit {self.limit}); retry after "
+                                   f"{self.retry_after_s} s", self.retry_after_s, "rate_limit_exceeded")
+            await error_response(err, scope)(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+def api_key_dependency(expected: str | None) -> Callable[[Request], None]:
+    """A FastAPI dependency: 401 unless `Authorization: Bearer <expected>` (no check when expected is None)."""
+    expected_bytes = None if expected is None else expected.encode("utf-8")
+
+    def require_api_key(request: Request) -> None:
+        if expected_bytes is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        challenge = {"WWW-Authenticate": "Bearer"}
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers=challenge)
+        if not hmac.compare_digest(token.strip().encode("utf-8"), expected_bytes):
+            raise APIError(401, "incorrect API key", code="invalid_api_key", headers=challenge)
+
+    return require_api_key

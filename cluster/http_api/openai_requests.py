@@ -1,0 +1,237 @@
+"""OpenAI-compatible request models (`POST /v1/completions`, `POST /v1/chat/completions`) and their limits.
+
+Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 1], n in 1..16, logprobs
+0..5, at most 4 stop strings. Extensions (vLLM-style): top_k (0 or -1 = off), min_tokens, ignore_eos,
+stop_token_ids. An explicit JSON null means "the default". OpenAI fields this server does not implement are
+accepted only at their no-op value (e.g. presence_penalty 0) and rejected otherwise; unknown fields are
+rejected. Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Literal
+
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
+
+from cluster.http_api.errors import bad_request
+
+MAX_N = 16
+MAX_LOGPROBS = 5
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+MAX_CHOICES = 128  # prompts x n per HTTP request
+MAX_SEED = 2**63 - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+PROMPT_SHAPES = "a non-empty string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _only(no_op: Any) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value is not None and value != no_op:
+            raise ValueError(f"is not supported by this server; omit it or send {no_op!r}")
+        return value
+
+    return check
+
+
+ZeroOnly = Annotated[Any, AfterValidator(_only(0))]
+OneOnly = Annotated[Any, AfterValidator(_only(1))]
+EmptyDictOnly = Annotated[Any, AfterValidator(_only({}))]
+EmptyListOnly = Annotated[Any, AfterValidator(_only([]))]
+EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_prompt_list(items: list[Any]) -> None:
+    if all(isinstance(item, str) for item in items) or all(_is_token_id(item) for item in items):
+        kind_ok = True
+    else:
+        kind_ok = all(isinstance(item, list) and all(_is_token_id(token) for token in item) for item in items)
+    if not kind_ok:
+        raise ValueError(f"must be {PROMPT_SHAPES}")
+    for position, item in enumerate(items):
+        if isinstance(item, (str, list)) and not item:
+            raise ValueError(f"item {position} is empty; every prompt needs at least one character or token")
+
+
+def _check_prompt(value: Any) -> Any:
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value:
+        _check_prompt_list(value)
+        return value
+    raise ValueError(f"must be {PROMPT_SHAPES}")
+
+
+PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    user: str | None = Field(None, max_length=256)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    frequency_penalty: ZeroOnly = None
+    presence_penalty: ZeroOnly = None
+    logit_bias: EmptyDictOnly = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()}
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else value
+        if isinstance(stops, list):
+            if len(stops) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(stops)})")
+            if any(isinstance(stop, str) and not 0 < len(stop) <= MAX_STOP_CHARS for stop in stops):
+                raise ValueError(f"every stop string must have 1..{MAX_STOP_CHARS} characters")
+        return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is False:
+            raise ValueError("only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    max_tokens: int = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: OneOnly = None
+    suffix: EmptyTextOnly = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _at_most_max_choices(cls, value: Any, info: ValidationInfo) -> Any:
+        count, n = (1 if isinstance(value, str) or _is_token_id(value[0]) else len(value)), info.data.get("n", 1)
+        if count * n > MAX_CHOICES:
+            raise ValueError(f"{count} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("cannot be combined with logprobs (prompt logprobs are not computed)")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        if isinstance(self.prompt, str) or _is_token_id(self.prompt[0]):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: EmptyListOnly = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("logprobs") is False:
+            raise ValueError("only allowed when logprobs is true")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model allows; the server passes these in from the engine's ModelInfo."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        for position, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise bad_request(f"{param}: token id {token_id} at position {position} is outside the vocabulary "
+                                  f"(allowed 0..{self.vocab_size - 1})", param=param, code="invalid_token_id")
+
+    def resolve_max_tokens(self, prompt_tokens: int, max_tokens: int | None, min_tokens: int, param: str) -> int:
+        """max_tokens within the window (None = all the room left); 400 context_length_exceeded otherwise."""
+        room = self.max_model_len - prompt_tokens
+        window = f"This model's maximum context length is {self.max_model_len} tokens"
+        if room < 1:
+            raise bad_request(f"{window}; the prompt has {prompt_tokens} tokens, leaving no room to generate",
+                              param=param, code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise bad_request(f"{window}; you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                              f"prompt, {max_tokens} for the completion); max_tokens may be at most {room}",
+                              param="max_tokens", code="context_length_exceeded")
+        resolved = room if max_tokens is None else max_tokens
+        if min_tokens > resolved:
+            raise bad_request(f"min_tokens: must be at most max_tokens ({resolved}) (got {min_tokens})",
+                              param="min_tokens")
+        return resolved
+
+    def engine_top_k(self, top_k: int) -> int:
+        """0 (off) for -1, 0 and any k that keeps the whole vocabulary."""
+        return top_k if 0 < top_k < self.vocab_size else 0

@@ -1,0 +1,66 @@
+"""Prompts to token ids in the ingress (the checkpoint's tokenizer.json and chat template), and back.
+
+Without tokenizer.json the server still serves token-id prompts; text prompts are then a 400 that says so,
+and logprob tokens are shown as `token_id:<id>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from model_workers.checkpoint.tokenizer import decode, encode, load_tokenizer
+
+from cluster.http_api.chat_template import ChatTemplate
+from cluster.http_api.errors import APIError, bad_request
+from cluster.http_api.openai_requests import ChatMessage, ModelLimits
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    token_ids: list[int]
+    text: str  # the prompt as text (what `echo` returns); "" for token ids without a tokenizer
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path | None) -> PromptEncoder:
+        if model_dir is None:
+            return cls(None, None)
+        if not Path(model_dir).is_dir():
+            raise ValueError(f"model_dir: {model_dir} is not a folder")
+        return cls(load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir))
+
+    def _encode_text(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request(f"{param}: this model has no tokenizer.json; send the prompt as token ids",
+                              param=param, code="no_tokenizer")
+        return encode(self.tokenizer, text)
+
+    def encode(self, prompt: str | list[int], limits: ModelLimits, param: str = "prompt") -> EncodedPrompt:
+        """One prompt of a completions request; token ids are checked against the vocabulary."""
+        token_ids = self._encode_text(prompt, param) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise bad_request(f"{param}: the prompt encodes to zero tokens", param=param)
+        limits.check_token_ids(token_ids, param)
+        return EncodedPrompt(token_ids, prompt if isinstance(prompt, str) else self.decode(token_ids))
+
+    def encode_chat(self, messages: list[ChatMessage], limits: ModelLimits) -> EncodedPrompt:
+        if self.chat_template is None:
+            raise APIError(404, "this model has no chat template (tokenizer_config.json chat_template); "
+                                "use /v1/completions", code="chat_template_missing")
+        rendered = self.chat_template.render([{"role": m.role, "content": m.text()} for m in messages])
+        return self.encode(rendered, limits, param="messages")
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else decode(self.tokenizer, list(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        """One token as shown in logprobs."""
+        return f"token_id:{token_id}" if self.tokenizer is None else decode(self.tokenizer, [token_id])

@@ -1,0 +1,61 @@
+"""One request's stream on the engine side: new tokens in, `EngineChunk`s out (text, stop strings, logprobs)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from cp_router.plans import SamplingParams
+
+from cp_router.detokenize import IncrementalText
+from cp_router.protocol import EngineChunk, EngineRequest, TokenLogprob
+
+
+def sampling_of(request: EngineRequest) -> SamplingParams:
+    """The engine's SamplingParams; an unseeded request draws its seed once (kept across a recompute)."""
+    seed = request.seed if request.seed is not None else random.getrandbits(62)
+    return SamplingParams(
+        temperature=request.temperature, seed=seed, top_p=request.top_p, top_k=request.top_k,
+        min_tokens=request.min_tokens, max_tokens=request.max_tokens, stop_token_ids=tuple(request.stop_token_ids),
+        ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+    )
+
+
+class RequestStream:
+    """Chunks for one request; `push` runs in the step loop, the consumer reads `queue`."""
+
+    def __init__(self, request: EngineRequest, tokenizer):
+        self.request = request
+        self.text = IncrementalText(tokenizer, tuple(request.stop))
+        self.queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
+        self.completion_tokens = 0
+        self.finished = False
+
+    def push(self, token_ids: list[int], logprobs: list[tuple], finish_reason: str | None) -> str | None:
+        """Queues one chunk; returns the finish reason (stop strings can end a request early)."""
+        kept: list[int] = []
+        for token in token_ids:
+            kept.append(token)
+            self.text.add(token)
+            if self.text.stopped:
+                finish_reason = "stop"
+                break
+        self.completion_tokens += len(kept)
+        chunk_logprobs = None
+        if self.request.logprobs is not None:
+            chunk_logprobs = tuple(TokenLogprob(t, lp, tuple(top)) for t, lp, top in logprobs[: len(kept)])
+        self.queue.put_nowait(EngineChunk(
+            tuple(kept), self.text.release(final=finish_reason is not None), finish_reason,
+            len(self.request.prompt_token_ids), self.completion_tokens, chunk_logprobs,
+        ))
+        self.finished = finish_reason is not None
+        return finish_reason
+
+    def end(self, finish_reason: str) -> None:
+        if not self.finished:
+            self.push([], [], finish_reason)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.finished = True
+            self.queue.put_nowait(error)

@@ -1,0 +1,69 @@
+"""The context-parallel attention backend: TorchBackend whose `store_kv` first gathers keys from every rank.
+
+Under CP a rank runs the model on its logical rows only (global positions, local order). Its
+`ForwardBatch` says: rows of each request among the local rows, every request's key slots in *this
+rank's* cache (each rank holds pages for every request of the batch during prefill), and `write_slots`
+[N] for the whole token stream in global order. `store_kv` pads the local keys to
+`meta.collective_rows`, all-gathers them, restores global order and writes all N rows; top-k selection
+and attention then read keys from the cache exactly as without CP, so causality by global position and
+the within-request rule hold with no extra code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_router.cp.metadata import CPMetadata
+from cp_router.cp.padding import pad_local_rows
+from cp_router.cp.sharding import gather_rerange
+
+from model_workers.comm import LocalComm
+from model_workers.kv_cache import PagedKVCache
+from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
+
+
+def gather_rows_global(
+    comm: LocalComm, meta: CPMetadata, x_local: torch.Tensor, tag: str, fill_value: int | float = 0
+) -> torch.Tensor:
+    """[T_logical, ...] rows of this rank -> [N, ...] rows of every rank in global stream order."""
+    x_padded = pad_local_rows(x_local, meta.collective_rows, fill_value)  # [P, ...], P equal on all ranks
+    return gather_rerange(meta, comm.all_gather_rows(x_padded, tag))  # [N, ...]
+
+
+class CPBackend(TorchBackend):
+    """Implements `model.backend.AttentionBackend` for one CP shard at a time."""
+
+    def __init__(self, cache: PagedKVCache):
+        super().__init__(cache)
+        self.meta: CPMetadata | None = None
+        self.comm: LocalComm | None = None
+        self.keep_topk_layers: frozenset[int] = frozenset()
+        self.kept_topk: dict[int, torch.Tensor] = {}
+
+    def bind_shard(
+        self, batch: ForwardBatch, meta: CPMetadata, comm: LocalComm, keep_topk_layers: frozenset[int] = frozenset()
+    ) -> "CPBackend":
+        """`keep_topk_layers`: layers whose top-k slots [T_local, k] are kept in `kept_topk` after the forward."""
+        if meta.cp_size != comm.cp_size:
+            raise ValueError(f"CP batch built for cp_size={meta.cp_size} on a group of cp_size={comm.cp_size}")
+        if batch.write_slots.shape[0] != meta.num_tokens:
+            raise ValueError(f"write_slots has {batch.write_slots.shape[0]} rows, the batch has {meta.num_tokens}")
+        self.bind(batch)
+        self.meta, self.comm = meta, comm
+        self.keep_topk_layers, self.kept_topk = keep_topk_layers, {}
+        return self
+
+    def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
+        dtype = self.cache.latent[layer_id].dtype
+        parts = [latent.to(dtype)] if index_key is None else [latent.to(dtype), index_key.to(dtype)]
+        keys_local = torch.cat(parts, dim=-1)  # [T_local, latent_dim (+ index_dim)]: one collective per layer
+        keys_global = gather_rows_global(self.comm, self.meta, keys_local, "kv")  # [N, latent_dim (+ index_dim)]
+        latent_dim = latent.shape[-1]
+        index_global = keys_global[:, latent_dim:] if index_key is not None else None  # [N, index_dim]
+        super().store_kv(layer_id, keys_global[:, :latent_dim], index_global)
+
+    def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+        topk_slots = super().select_topk(layer_id, index_q, index_weights, topk)  # [T_local, k']
+        if layer_id in self.keep_topk_layers:
+            self.kept_topk[layer_id] = topk_slots
+        return topk_slots

@@ -1,0 +1,97 @@
+"""The torch attention backend over the paged KV cache (CPU and CUDA).
+
+A `ForwardBatch` says, for one forward pass, which query rows belong to which request, their global
+positions, where the rows handed to `store_kv` are written, and each request's key slots in position
+order. Top-k selection and attention read keys back from the cache, so prefill, chunked prefill with a
+cached prefix, decode and multi-token verification are one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_workers.kv_cache import PagedKVCache
+from model_workers.model.sparse_ops import batched_causal_topk, causal_topk, sparse_mla_attention
+
+BATCHED_TOPK_MAX_ROWS = 16  # requests with at most this many new rows each share one top-k pass
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    positions: torch.Tensor  # [T] global position of each query row
+    request_rows: tuple[torch.Tensor, ...]  # per request: its query row indices into [T]
+    key_slots: tuple[torch.Tensor, ...]  # per request: cache slots of positions 0..K_r-1
+    write_slots: torch.Tensor  # [W] slot of each row handed to store_kv (W = T without CP)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+
+class TorchBackend:
+    """Implements `model.backend.AttentionBackend` for one `ForwardBatch` at a time."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+        self.batch: ForwardBatch | None = None
+
+    def bind(self, batch: ForwardBatch) -> "TorchBackend":
+        self.batch = batch
+        return self
+
+    def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
+        slots = self.batch.write_slots
+        self.cache.latent[layer_id][slots] = latent.to(self.cache.latent[layer_id].dtype)
+        if index_key is not None:
+            store = self.cache.index_keys[layer_id]
+            store[slots] = index_key.to(store.dtype)
+
+    def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+        batch = self.batch
+        width = min(topk, max((len(s) for s in batch.key_slots), default=0))
+        out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=index_q.device)
+        if len(batch.request_rows) > 1 and max(len(r) for r in batch.request_rows) <= BATCHED_TOPK_MAX_ROWS:
+            self._select_batched(layer_id, index_q, index_weights, topk, out)
+        else:
+            self._select_per_request(layer_id, index_q, index_weights, topk, out)
+        return out
+
+    def _select_per_request(self, layer_id, index_q, index_weights, topk, out) -> None:
+        batch, keys_store = self.batch, self.cache.index_keys[layer_id]
+        for rows, key_slots in zip(batch.request_rows, batch.key_slots):
+            if rows.numel() == 0:
+                continue
+            key_positions = causal_topk(
+                index_q[rows], index_weights[rows], keys_store[key_slots], batch.positions[rows], topk
+            )  # [n, k_r]
+            picked_slots = torch.where(key_positions >= 0, key_slots[key_positions.clamp_min(0)], -1)
+            out[rows, : picked_slots.shape[1]] = picked_slots
+
+    def _select_batched(self, layer_id, index_q, index_weights, topk, out) -> None:
+        """Few rows per request (decode / verify): requests padded to the longest and scored together."""
+        batch, device = self.batch, index_q.device
+        row_ids = pad_rows([r for r in batch.request_rows], -1, device)  # [B, n] rows into [T], -1 = pad
+        key_slots = pad_rows(list(batch.key_slots), 0, device)  # [B, K] (pads lie past every position)
+        positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
+        safe_rows = row_ids.clamp_min(0)
+        keys = self.cache.index_keys[layer_id][key_slots]  # [B, K, D]
+        key_positions = batched_causal_topk(index_q[safe_rows], index_weights[safe_rows], keys, positions, topk)
+        picked = torch.where(key_positions >= 0, key_slots.gather(1, key_positions.clamp_min(0).flatten(1))
+                             .view_as(key_positions), -1)  # [B, n, k] slots
+        real = row_ids >= 0
+        out[row_ids[real], : picked.shape[2]] = picked[real]
+
+    def attend(
+        self, layer_id: int, q_latent: torch.Tensor, q_pe: torch.Tensor, topk_ids: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return sparse_mla_attention(q_latent, q_pe, self.cache.latent[layer_id], topk_ids, scale)
+
+
+def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
+    """1-D index tensors -> [len(rows), longest] padded with `fill`."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return out

@@ -1,0 +1,180 @@
+"""Load a Hugging Face DSA checkpoint (config.json + safetensors, sharded or not) into `DSAForCausalLM`.
+
+Streams tensor by tensor (never unpickles), stacks per-expert weights, dequantizes DeepSeek FP8
+block-quantized weights to the compute dtype, and fails with one line naming any missing, unexpected
+or mis-shaped tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from model_workers.model.config import ModelConfig, load_model_config
+from model_workers.model.decoder import DSAForCausalLM
+
+FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder cannot be loaded; the message names the file or tensor."""
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints are supported)")
+    mapping: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            mapping.update({name: file for name in handle.keys()})
+    return mapping
+
+
+def count_mtp_layers(config: ModelConfig, names: set[str]) -> int:
+    count = 0
+    while f"model.layers.{config.num_hidden_layers + count}.eh_proj.weight" in names:
+        count += 1
+    return count
+
+
+def mtp_layout(config: ModelConfig, names: set[str], count: int) -> list[tuple[bool, bool]]:
+    layout = []
+    for j in range(count):
+        prefix = f"model.layers.{config.num_hidden_layers + j}."
+        sparse = any(n.startswith(prefix + "mlp.gate.") for n in names)
+        own_head = prefix + "shared_head.head.weight" in names
+        layout.append((sparse, own_head))
+    return layout
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True
+) -> DSAForCausalLM:
+    model_dir = Path(model_dir)
+    config = load_model_config(model_dir)
+    files = checkpoint_files(model_dir)
+    names = set(files)
+    num_mtp = count_mtp_layers(config, names)
+    config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp)
+    with torch.device("meta"):
+        model = DSAForCausalLM(config, mtp_layout(config, names, num_mtp))
+    model.to_empty(device=device)
+    params = _target_tensors(model, dtype)
+    _fill(params, files, config, dtype, progress)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _target_tensors(model: DSAForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by checkpoint name, cast to its load dtype (fp32 where the reference keeps it)."""
+    targets = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        wanted = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+        if tensor.dtype != wanted:
+            tensor.data = tensor.data.to(wanted)
+        targets[name] = tensor
+    return targets
+
+
+def _fill(targets, files, config: ModelConfig, dtype, progress: bool) -> None:
+    loaded: set[str] = set()
+    skip = _ignorable(config, set(files))
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        if name not in skip and not name.endswith("weight_scale_inv"):
+            by_file.setdefault(file, []).append(name)
+    bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="loading weights", disable=not progress, unit="t")
+    for file, names in by_file.items():
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in the index but missing")
+        with safe_open(file, "pt") as handle:
+            for name in names:
+                tensor = _read(handle, name, files, config)
+                loaded |= _copy_into(targets, name, tensor)
+                bar.update(1)
+    bar.close()
+    missing = sorted(set().union(*(_pieces(name, t) for name, t in targets.items())) - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]}")
+
+
+def _ignorable(config: ModelConfig, names: set[str]) -> set[str]:
+    """Tensors that are legitimately redundant: a tied lm_head, MTP copies of the shared embedding/head."""
+    skip = {n for n in names if re.fullmatch(r"model\.layers\.\d+\.embed_tokens\.weight", n)}
+    if config.tie_word_embeddings:
+        skip.add("lm_head.weight")
+    return skip & names
+
+
+def _read(handle, name: str, files, config: ModelConfig) -> torch.Tensor:
+    tensor = handle.get_tensor(name)
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale_name = name.replace(".weight", ".weight_scale_inv")
+        if scale_name not in files or config.fp8_block_size is None:
+            raise CheckpointError(f"{name}: FP8 tensor without {scale_name} / quantization_config in config.json")
+        with safe_open(files[scale_name], "pt") as scale_handle:
+            tensor = dequantize_fp8_blocks(tensor, scale_handle.get_tensor(scale_name), config.fp8_block_size)
+    return tensor
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [out, in] fp8, scale_inv [ceil(out/b0), ceil(in/b1)] -> float32 weight · per-block scale."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
+def _pieces(target_name: str, target: torch.Tensor) -> set[str]:
+    """What must be loaded for a target: stacked experts need every expert's projections."""
+    if target_name.endswith("experts.gate_up_proj"):
+        return {f"{target_name}#{e}.{p}" for e in range(target.shape[0]) for p in ("gate_proj", "up_proj")}
+    if target_name.endswith("experts.down_proj"):
+        return {f"{target_name}#{e}.down_proj" for e in range(target.shape[0])}
+    return {target_name}
+
+
+def _copy_into(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> set[str]:
+    """Copies a checkpoint tensor into its parameter; returns the pieces (see `_pieces`) it completed."""
+    match = _EXPERT_KEY.match(name)
+    if match:
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        if proj == "down_proj":
+            target_name, rows = prefix + ".down_proj", slice(None)
+        else:
+            target_name = prefix + ".gate_up_proj"
+            inner = targets.get(target_name, torch.empty(0, 2)).shape[1] // 2
+            rows = slice(0, inner) if proj == "gate_proj" else slice(inner, 2 * inner)
+        target = _lookup(targets, target_name, name)
+        if expert >= target.shape[0]:
+            raise CheckpointError(f"{name}: expert {expert} >= n_routed_experts={target.shape[0]}")
+        _checked_copy(target[expert][rows], tensor, name)
+        return {f"{target_name}#{expert}.{proj}"}
+    target = _lookup(targets, name, name)
+    _checked_copy(target, tensor, name)
+    return _pieces(name, target)
+
+
+def _lookup(targets: dict[str, torch.Tensor], target_name: str, name: str) -> torch.Tensor:
+    if target_name not in targets:
+        raise CheckpointError(f"unexpected tensor {name} (no such weight in a {len(targets)}-tensor DSA model)")
+    return targets[target_name]
+
+
+def _checked_copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} in checkpoint, expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor.to(target.dtype))

@@ -1,0 +1,152 @@
+"""`dsa-serve bench report` from synthetic bench JSON: tables, target verdicts, plots, missing pieces."""
+
+import json
+import sys
+
+import pytest
+
+from cluster.bench.plot import MATPLOTLIB_MISSING, prefill_points, save_plot
+from cluster.cli import main
+
+GIB = 1 << 30
+
+ATTENTION = {
+    "bench": "attention", "command": "dsa-serve bench attention --lengths 64,128,256,512 --json",
+    "model": "m", "dtype": "bfloat16", "index_topk": 64, "threads": 1, "crossover_length": 256,
+    "crossover_over_index_topk": 4.0,
+    "runs": [{"length": n, "sparse_s": s, "sparse_indexer_s": s / 2, "sparse_attention_s": s / 2, "dense_s": d,
+              "dense_over_sparse": d / s} for n, s, d in [(64, 2.0, 1.0), (128, 3.0, 2.5), (256, 4.0, 6.0),
+                                                         (512, 6.0, 20.0)]],
+}
+
+
+def prefill_run(cp_size, wall_s, rss=None):
+    run = {"cp_size": cp_size, "wall_s": wall_s, "per_rank_compute_s": [wall_s] * cp_size}
+    return run if rss is None else {**run, "peak_rss_bytes_per_rank": [rss] * cp_size}
+
+
+PREFILL_8K = {  # today's layout: one length, runs = [C=1, C]
+    "bench": "prefill", "prompt_len": 8192, "cp_size": 2, "cp_strategy": "zigzag", "dtype": "bfloat16",
+    "formula_kv_bytes_per_rank": 1000.0, "measured_kv_bytes_per_rank": 1000,
+    "runs": [prefill_run(1, 10.0), prefill_run(2, 5.4)],  # efficiency 10 / 5.4 / 2 = 0.926
+}
+PREFILL_LENGTHS = {  # the extended layout: a "lengths" list; the 32k entry runs over the RSS limit
+    "bench": "prefill", "cp_size": 2,
+    "lengths": [{"prompt_len": n, "cp_size": 2, "runs": [prefill_run(1, t1), prefill_run(2, t2, rss)]}
+                for n, t1, t2, rss in [(16384, 20.0, 10.5, 2 * GIB), (32768, 40.0, 21.0, 5 * GIB)]],
+}
+
+
+def decode_run(k, batch, tokens_per_s, overhead=0.1):
+    return {"speculative_num_steps": k, "batch_size": batch, "tokens_per_s": tokens_per_s,
+            "mean_accepted_length": 1 + 0.7 * k, "formula_accepted_length": 1 + 0.72 * k,
+            "engine_overhead_fraction": overhead, "speedup_vs_first_k": 1.0}
+
+
+DECODE = {"bench": "decode", "dtype": "bfloat16", "command": "dsa-serve bench decode --json",
+          "runs": [decode_run(0, 1, 10.0), decode_run(2, 1, 17.0), decode_run(0, 8, 50.0, overhead=0.2)]}
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for name, result in [("attention", ATTENTION), ("prefill_8k", PREFILL_8K), ("prefill_long", PREFILL_LENGTHS),
+                         ("decode", DECODE)]:
+        (folder / f"{name}.json").write_text(json.dumps(result))
+    (folder / "broken.json").write_text("{not json")
+    return folder
+
+
+def write_report(results_dir, out_dir):
+    code = main(["bench", "report", "--results", str(results_dir), "--out", str(out_dir / "BENCHMARKS.md"),
+                 "--plots-dir", str(out_dir / "plots")])
+    assert code == 0
+    return (out_dir / "BENCHMARKS.md").read_text()
+
+
+def target_line(text: str, start: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"| {start}"))
+
+
+def test_report_tables_verdicts_and_plots(results_dir, tmp_path):
+    text = write_report(results_dir, tmp_path / "out")
+    assert "## Machine" in text and "logical cores" in text and "torch " in text
+    assert "| L | sparse s | indexer s |" in text and "| 256 | 4 | 2 |" in text  # attention table
+    assert "| L | C | C=1 1 thread s | C=1 C threads s | C ranks s |" in text  # prefill, both layouts
+    assert "| 8192 | 2 | 10 | – | 5.4 |" in text and "| 32768 | 2 | 40 | – | 21 |" in text
+    assert "| k | B | tokens/s |" in text
+    assert target_line(text, "CP strong-scaling").endswith("| PASS |")  # min(0.926, 0.952, 0.952)
+    assert target_line(text, "sparse attention faster").endswith("| PASS |")
+    assert target_line(text, "speculative decoding").endswith("| PASS |")  # 17 / 10 = 1.7x
+    assert target_line(text, "per-step engine overhead").endswith("| MISS |")  # 20% at B=8
+    assert target_line(text, "peak RSS").endswith("| MISS |")  # 5 GiB at 32k
+    assert target_line(text, "KV bytes").endswith("| PASS |")
+    assert target_line(text, "serving TTFT").endswith("| not measured | not measured |")
+    assert target_line(text, "throughput at concurrency 32").endswith("| not measured |")
+    assert "dsa-serve bench attention --lengths 64,128,256,512 --json" in text
+    assert "records no command" in text  # the prefill JSON has none
+    assert "broken.json: not JSON" in text
+    for name in ("attention", "prefill_8k", "prefill_long", "decode"):
+        png = tmp_path / "out" / "plots" / f"{name}.png"
+        assert png.is_file() and png.stat().st_size > 1000
+        assert f"(plots/{name}.png)" in text  # linked relative to BENCHMARKS.md
+
+
+def test_report_with_no_results_says_not_measured(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    text = write_report(empty, tmp_path)
+    assert "No bench results found" in text
+    assert text.count("| not measured | not measured |") == 9
+
+
+def test_report_without_matplotlib_still_writes_tables(results_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    text = write_report(results_dir, tmp_path)
+    assert f"(plot not drawn: {MATPLOTLIB_MISSING})" in text and "| PASS |" in text
+    assert not (tmp_path / "plots").exists()
+
+
+def test_save_plot_errors_name_the_problem(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="no plot for bench 'nope'; allowed: attention, decode, prefill, serve"):
+        save_plot({"bench": "nope"}, str(tmp_path / "x.png"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ValueError, match=r"--plot needs matplotlib: pip install 'dsa-serve\[bench\]'"):
+        save_plot(ATTENTION, str(tmp_path / "x.png"))
+
+
+def test_report_needs_a_results_folder(tmp_path, capsys):
+    assert main(["bench", "report", "--results", str(tmp_path / "missing")]) == 2
+    assert "--results must be a folder" in capsys.readouterr().err
+
+
+def test_prefill_points_read_both_layouts():
+    (point,) = prefill_points(PREFILL_8K)
+    assert point["prompt_len"] == 8192 and point["cp_size"] == 2 and point["efficiency"] == pytest.approx(10 / 5.4 / 2)
+    assert [p["prompt_len"] for p in prefill_points(PREFILL_LENGTHS)] == [16384, 32768]
+
+
+def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
+    phases = {"indexer": 3.0, "attention": 1.0, "mlp": 0.5, "communication": 0.2, "other": 0.1}
+    entry = {"prompt_len": 8192, "cp_size": 2, "c1_wall_s": 9.0, "c1_cthreads_wall_s": 5.0, "cp_wall_s": 4.8,
+             "strong_scaling_efficiency": 0.9375, "equal_cores_ratio": 1.04, "compute_imbalance_max_over_mean": 1.02,
+             "modeled_causal_work_imbalance": {"zigzag": 1.0, "interleave": 1.0001, "contiguous": 1.5},
+             "c1_phase_s": phases, "per_rank_phase_s": [phases, phases], "peak_rss_bytes_per_rank": [GIB, GIB],
+             "measured_kv_bytes_per_rank": 10, "formula_kv_bytes_per_rank": 10.0, "runs": []}
+    result = {"bench": "prefill", "cp_size": 2, "cp_strategy": "zigzag", "lengths": [entry],
+              "measured_kv_bytes_per_token": 1280, "formula_kv_bytes_per_token": 1280, "kv_token_formula": "f"}
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "prefill.json").write_text(json.dumps(result))
+    notes = tmp_path / "notes.md"
+    notes.write_text("## What stands in the way\n\nexplained here")
+    assert main(["bench", "report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
+                 "--plots-dir", str(tmp_path / "plots"), "--notes", str(notes)]) == 0
+    text = (tmp_path / "B.md").read_text()
+    assert "| 8192 | 2 | 9 | 5 | 4.8 | 1.875 | 0.9375 | 1.04 | 1.02 | 10 | 10 | 1 |" in text
+    assert "| 8192 | 1 | 1 | 1.5 | 1.02 |" in text  # zigzag, interleave, contiguous (model), measured
+    assert "| 8192 | rank 1 | 3 | 1 | 0.5 | 0.2 | 0.1 |" in text
+    assert "KV cache bytes per token: measured 1280, formula 1280" in text
+    assert text.index("## Targets") < text.index("explained here") < text.index("## Results")
+    assert target_line(text, "CP strong-scaling").endswith("| PASS |")

@@ -1,0 +1,156 @@
+"""deploy/: the Serve config, the KubeRay RayService (against the CRD schema), the Dockerfile, the dashboard."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cp_router.metrics import METRIC_SPECS, PREFIX, exposed_sample_names
+from cluster.serve_settings import ServeAppArgs
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CRD_PATH = REPO.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"
+APP_IMPORT_PATH = "cluster.serve_app:app"
+DEPLOYMENT_NAMES = {"DSAIngress", "DSAEngine"}
+Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(path: Path):
+    return yaml.load(path.read_text(), Loader=Loader)
+
+
+def check_serve_config(config: dict) -> tuple[ServeDeploySchema, ServeAppArgs]:
+    """The Serve config schema, our app's args schema, and the cross-field rules between them."""
+    schema = ServeDeploySchema.model_validate(config)
+    (app,) = schema.applications
+    assert app.import_path == APP_IMPORT_PATH
+    args = ServeAppArgs.model_validate(app.args)
+    deployments = {deployment.name: deployment for deployment in app.deployments}
+    assert set(deployments) == DEPLOYMENT_NAMES
+    # Serve's own queue in front of the ingress must not fill before the app's 429 limit does.
+    assert deployments["DSAIngress"].max_ongoing_requests > args.ingress.max_ongoing_requests
+    return schema, args
+
+
+def test_serve_config_is_accepted_by_serve_run():
+    schema, args = check_serve_config(load_yaml(DEPLOY / "serve_config.yaml"))
+    assert schema.http_options.host == "127.0.0.1"  # local default: not exposed beyond this machine
+    assert args.device == "cpu" and args.cp_size == 2
+
+
+def test_serve_config_rejects_unknown_args():
+    config = load_yaml(DEPLOY / "serve_config.yaml")
+    config["applications"][0]["args"]["cp_sise"] = 4
+    with pytest.raises(ValueError, match="cp_sise"):
+        check_serve_config(config)
+
+
+@pytest.fixture(scope="module")
+def crd_validator():
+    """A validator of the CRD's v1 openAPIV3Schema (OpenAPI v3.0 schemas are close to JSON Schema draft 7)."""
+    if not CRD_PATH.is_file():
+        pytest.skip(f"KubeRay CRD schema not found at {CRD_PATH}; RayService validation skipped")
+    crd = load_yaml(CRD_PATH)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return jsonschema.Draft7Validator(version["schema"]["openAPIV3Schema"])
+
+
+@pytest.fixture(scope="module")
+def rayservice():
+    return load_yaml(DEPLOY / "kuberay" / "rayservice.yaml")
+
+
+def test_rayservice_validates_against_the_crd(crd_validator, rayservice):
+    assert (rayservice["apiVersion"], rayservice["kind"]) == ("ray.io/v1", "RayService")
+    crd_validator.validate(rayservice)
+
+
+def test_the_crd_check_catches_non_string_ray_start_params(crd_validator, rayservice):
+    broken = copy.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]["num-gpus"] = 2
+    errors = list(crd_validator.iter_errors(broken))
+    assert [list(error.path)[-1] for error in errors] == ["num-gpus"]
+
+
+def test_rayservice_serve_config_and_cp_group_sizing(rayservice):
+    spec = rayservice["spec"]
+    assert isinstance(spec["serveConfigV2"], str)
+    schema, args = check_serve_config(yaml.safe_load(spec["serveConfigV2"]))
+    assert schema.http_options.host == "0.0.0.0" and args.device == "cuda"
+    cluster = spec["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    assert all(isinstance(value, str) for group in groups for value in group["rayStartParams"].values())
+    (worker,) = cluster["workerGroupSpecs"]
+    (container,) = worker["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == int(worker["rayStartParams"]["num-gpus"]) == args.cp_size
+    # One CPU per rank worker, one for the engine replica, one for the ingress.
+    assert int(worker["rayStartParams"]["num-cpus"]) >= args.cp_size + 2
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_dockerfile_matches_the_project():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
+    instructions = dockerfile_instructions()
+    arguments = dict(arg.split("=", 1) for kind, arg in instructions if kind == "ARG" and "=" in arg)
+    makefile_torch = re.search(r"torch==([\w.]+)", (REPO / "Makefile").read_text()).group(1)
+    assert arguments["TORCH_VERSION"] == makefile_torch
+    assert next(arg for kind, arg in instructions if kind == "FROM").startswith("python:")
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = {pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {arg.split()[0] for kind, arg in instructions if kind == "COPY"}
+    assert packages <= copied
+    entrypoint = json.loads(next(arg for kind, arg in instructions if kind == "ENTRYPOINT"))
+    assert entrypoint[0] in pyproject["project"]["scripts"] and entrypoint[1:] == ["serve"]
+    assert any(kind == "RUN" and '".[gpu]"' in arg for kind, arg in instructions)
+
+
+def test_grafana_dashboard_uses_existing_metrics_and_covers_them_all():
+    text = (DEPLOY / "grafana" / "dsa-serve-dashboard.json").read_text()
+    dashboard = json.loads(text)
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    referenced = set(re.findall(re.escape(PREFIX) + r"[A-Za-z0-9_:]+", text))
+    assert referenced <= exposed_sample_names(), referenced - exposed_sample_names()
+    used_families = {name for name in METRIC_SPECS if any(PREFIX + name in expr for expr in exprs)}
+    assert used_families == set(METRIC_SPECS)
+    assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+    assert all(target["refId"] and target["expr"] for panel in dashboard["panels"] for target in panel["targets"])
+
+
+def test_app_built_without_a_config_file_admits_more_than_serves_default_five():
+    """`dsa-serve serve` builds the app in code: the same caps as serve_config.yaml, not Serve's default 5."""
+    from cluster.serve_app import ENGINE_MAX_ONGOING, build_application, validate_args
+
+    args = validate_args({"ingress": {"max_ongoing_requests": 100}})
+    ingress = build_application(args)._bound_deployment
+    (engine_app,) = ingress.init_args[:1]
+    assert ingress.max_ongoing_requests == 200 > args.ingress.max_ongoing_requests
+    assert engine_app._bound_deployment.max_ongoing_requests == ENGINE_MAX_ONGOING
+    yaml_engine = next(d for d in load_yaml(DEPLOY / "serve_config.yaml")["applications"][0]["deployments"]
+                       if d["name"] == "DSAEngine")
+    assert yaml_engine["max_ongoing_requests"] == ENGINE_MAX_ONGOING
+
+
+def test_colocated_placement_is_one_server_deployment_holding_the_cp_group():
+    from cluster.serve_app import SERVER_DEPLOYMENT, build_application, engine_bundles, validate_args
+
+    args = validate_args({"engine_placement": "colocated", "cp_size": 3})
+    server = build_application(args, engine_replicas=2)._bound_deployment
+    assert server.name == SERVER_DEPLOYMENT and server.num_replicas == 2
+    assert server.max_ongoing_requests == 2 * args.ingress.max_ongoing_requests
+    assert server._replica_config.placement_group_bundles == engine_bundles(args) == [{"CPU": 1}] * 4
+    with pytest.raises(ValueError, match="engine_placement"):
+        validate_args({"engine_placement": "mixed"})

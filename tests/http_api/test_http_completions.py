@@ -1,0 +1,153 @@
+"""Completions and chat completions through the real FastAPI app over a deterministic engine: response
+shapes, fan-out (n, prompt lists, seeds), sampling fields reaching the engine, logprobs, echo, SSE streams,
+and the official `openai` client against the app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from support.http_fakes import MAX_MODEL_LEN, VOCAB_SIZE, FakeEngine, fake_token, write_checkpoint_files
+
+from cluster.http_api.ingress import build_app
+from cluster.serve_settings import IngressSettings
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint_files(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture
+def served(checkpoint):
+    engine = FakeEngine()
+    return engine, TestClient(build_app(engine, IngressSettings(model_dir=str(checkpoint))))
+
+
+def sse_payloads(text: str) -> list:
+    events = [event for event in text.split("\n\n") if event]
+    assert all(event.startswith("data: ") for event in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+
+
+def test_completion_response_shape_and_usage(served):
+    engine, client = served
+    body = client.post("/v1/completions", json={"model": "tiny-dsa", "prompt": "hello world", "max_tokens": 3}).json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny-dsa"
+    (request,) = engine.requests
+    assert request.prompt_token_ids == (3, 4) and request.max_tokens == 3
+    expected = "".join(f" w{fake_token(request, step)}" for step in range(3))
+    assert body["choices"] == [{"index": 0, "text": expected, "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def test_sampling_fields_reach_the_engine(served):
+    engine, client = served
+    client.post("/v1/completions", json={
+        "prompt": [5, 6], "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_tokens": 2,
+        "stop": "w20", "stop_token_ids": [40], "ignore_eos": True, "seed": 11, "logprobs": 2, "user": "u1"})
+    client.post("/v1/completions", json={"prompt": [5], "top_k": VOCAB_SIZE, "temperature": None})
+    first, second = engine.requests
+    assert (first.temperature, first.top_p, first.top_k, first.min_tokens) == (0.7, 0.9, 0, 2)
+    assert (first.stop, first.stop_token_ids, first.ignore_eos, first.seed, first.logprobs) == (("w20",), (40,), True,
+                                                                                                 11, 2)
+    assert (second.top_k, second.temperature, second.max_tokens, second.seed) == (0, 1.0, 16, None)
+
+
+def test_n_and_prompt_lists_fan_out_with_distinct_seeds(served):
+    engine, client = served
+    body = client.post("/v1/completions", json={"prompt": [[3], [4, 4]], "n": 2, "seed": 7, "max_tokens": 2}).json()
+    assert [choice["index"] for choice in body["choices"]] == [0, 1, 2, 3]
+    by_id = {request.request_id: request for request in engine.requests}
+    assert [by_id[f"{body['id']}-{i}"].seed for i in range(4)] == [7, 8, 9, 10]
+    assert [by_id[f"{body['id']}-{i}"].prompt_token_ids for i in range(4)] == [(3,), (3,), (4, 4), (4, 4)]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+
+
+def test_stop_token_finishes_with_stop(served):
+    engine, client = served
+    client.post("/v1/completions", json={"prompt": [3], "max_tokens": 1})
+    second_token = fake_token(engine.requests[0], 1)
+    body = client.post("/v1/completions", json={"prompt": [3], "max_tokens": 6, "stop_token_ids": [second_token]})
+    assert body.json()["choices"][0]["finish_reason"] == "stop"
+    assert body.json()["usage"]["completion_tokens"] == 2
+
+
+def test_echo_and_logprobs(served):
+    _, client = served
+    echoed = client.post("/v1/completions", json={"prompt": "hello world", "echo": True, "max_tokens": 2}).json()
+    assert echoed["choices"][0]["text"].startswith("hello world w")
+    body = client.post("/v1/completions", json={"prompt": "hello", "logprobs": 2, "max_tokens": 3}).json()
+    logprobs = body["choices"][0]["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert all(token.startswith("w") for token in logprobs["tokens"]) and len(logprobs["tokens"]) == 3
+    assert logprobs["token_logprobs"] == [-0.5] * 3
+    assert all(len(top) == 2 and top[token] == -0.5 for top, token in zip(logprobs["top_logprobs"],
+                                                                          logprobs["tokens"]))
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
+
+
+def test_stream_chunks_usage_and_done(served):
+    _, client = served
+    response = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "stream": True, "n": 2,
+                                                     "stream_options": {"include_usage": True}})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_payloads(response.text)
+    *token_chunks, usage_chunk = chunks
+    assert len(token_chunks) == 6 and all(chunk["usage"] is None for chunk in token_chunks)
+    assert {chunk["id"] for chunk in chunks} == {chunks[0]["id"]} and len({c["created"] for c in chunks}) == 1
+    finishes = [c["choices"][0]["finish_reason"] for c in token_chunks if c["choices"][0]["finish_reason"]]
+    assert finishes == ["length", "length"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+    plain = sse_payloads(client.post("/v1/completions", json={"prompt": "hello", "stream": True}).text)
+    assert all("usage" not in chunk for chunk in plain)
+
+
+def test_chat_completion_and_stream(served):
+    engine, client = served
+    parts = [{"type": "text", "text": "world"}]
+    messages = [{"role": "system", "content": "hello"}, {"role": "user", "content": parts}]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True, "top_logprobs": 1}).json()
+    (request,) = engine.requests
+    assert request.prompt_token_ids[0] == 1  # the template's bos_token
+    assert request.max_tokens == MAX_MODEL_LEN - len(request.prompt_token_ids)  # default: the room left
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"].startswith(" w") and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert content[0]["bytes"] == list(content[0]["token"].encode()) and len(content[0]["top_logprobs"]) == 1
+    stream = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "stream": True})
+    chunks = sse_payloads(stream.text)
+    assert [chunk["choices"][0]["delta"].get("role") for chunk in chunks] == ["assistant", None]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+
+
+def test_the_openai_client_works_against_the_app(checkpoint):
+    async def scenario():
+        app = build_app(FakeEngine(), IngressSettings(model_dir=str(checkpoint), api_key="sk-1"))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        client = openai.AsyncOpenAI(api_key="sk-1", base_url="http://test/v1", http_client=http, max_retries=0)
+        completion = await client.completions.create(model="tiny-dsa", prompt="hello", max_tokens=2, logprobs=1)
+        assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 2
+        assert len(completion.choices[0].logprobs.tokens) == 2
+        stream = await client.completions.create(model="tiny-dsa", prompt="hello", max_tokens=3, stream=True)
+        pieces = [chunk.choices[0].text async for chunk in stream]
+        assert len(pieces) == 3 and "".join(pieces).startswith(completion.choices[0].text)
+        chat = await client.chat.completions.create(model="tiny-dsa", messages=[{"role": "user", "content": "hello"}],
+                                                    max_tokens=2)
+        assert chat.choices[0].message.content.startswith(" w")
+        models = await client.models.list()
+        assert [model.id for model in models.data] == ["tiny-dsa"]
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="tiny-dsa", prompt="hello", temperature=3)
+        assert bad.value.body["param"] == "temperature"
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="other", prompt="hello")
+        await http.aclose()
+
+    asyncio.run(scenario())

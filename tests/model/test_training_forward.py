@@ -1,0 +1,83 @@
+"""The training forward reuses the inference layers: same logits as the paged-cache path, and it learns."""
+
+import torch
+
+from model_workers.kv_cache import PageTable
+from model_workers.model.config import parse_model_config
+from model_workers.model.decoder import DSAForCausalLM
+from model_workers.runner import ExtendItem, ModelRunner
+from model_workers.checkpoint.saver import init_weights
+from model_workers.training.recipe import Recipe, batch_losses
+from model_workers.training.train_backend import TrainingBackend
+from model_workers.training.trainer import ExpertBalancer, learning_rate
+
+CONFIG = {
+    "model_type": "deepseek_v32", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "q_lora_rank": 16,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 8,
+    "index_head_dim": 16, "index_topk": 6, "tie_word_embeddings": True,
+}
+
+
+def tiny_model(seed: int = 0) -> DSAForCausalLM:
+    model = DSAForCausalLM(parse_model_config(CONFIG), mtp_layout=[(True, False)])
+    init_weights(model, std=0.3, seed=seed)
+    return model
+
+
+def test_sparse_training_forward_equals_inference_path():
+    model = tiny_model().eval()
+    windows = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
+    backend = TrainingBackend(3, 20, sparse=True)
+    with torch.no_grad():
+        trained_view = model.logits(model(windows.reshape(-1), torch.arange(20).repeat(3), backend)).view(3, 20, -1)
+    runner = ModelRunner(model, num_pages=8, page_size=8)
+    for row, window in enumerate(windows.tolist()):
+        table = PageTable()
+        with torch.no_grad():
+            expected = model.logits(runner.extend([ExtendItem(table, window)]))
+        runner.release(table)
+        torch.testing.assert_close(trained_view[row], expected, atol=1e-5, rtol=0)
+
+
+def test_dense_training_forward_equals_sparse_when_topk_covers_the_context():
+    model = tiny_model().eval()
+    windows = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))  # 6 <= index_topk
+    outputs = []
+    for sparse in (False, True):
+        with torch.no_grad():
+            hidden = model(windows.reshape(-1), torch.arange(6).repeat(2), TrainingBackend(2, 6, sparse))
+        outputs.append(model.logits(hidden))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)
+
+
+def test_training_reduces_losses_and_indexer_kl_trains_only_the_indexer():
+    torch.manual_seed(0)
+    model = tiny_model(seed=3).train()
+    pattern = torch.arange(23) % 7  # a periodic sequence every head can learn
+    windows = torch.stack([pattern.roll(-k) for k in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    balancer = ExpertBalancer(model, rate=1e-3)
+    first = None
+    for step in range(30):
+        losses = batch_losses(model, windows, sparse=step >= 10)
+        if step == 0:
+            first = losses
+            model.zero_grad()
+            losses.indexer_kl.backward(retain_graph=True)
+            with_grad = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+            assert with_grad and all(".indexer." in n for n in with_grad)
+        optimizer.zero_grad()
+        losses.total(Recipe()).backward()
+        optimizer.step()
+        balancer.update()
+    assert losses.lm < 0.5 * first.lm and losses.mtp < 0.5 * first.mtp
+    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and any(b.abs().sum() > 0 for b in biases)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    recipe = Recipe(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert learning_rate(recipe, 0, 100) == 0.1 and learning_rate(recipe, 9, 100) == 1.0
+    assert abs(learning_rate(recipe, 100, 100) - 0.1) < 1e-9

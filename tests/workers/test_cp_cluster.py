@@ -1,0 +1,196 @@
+"""CP prefill across Ray actors on a real local Ray with gloo (CPU): one Ray session for the module, one
+engine per cp_size reused across strategies, implementations and checkpoints."""
+
+import json
+import shutil
+
+import pytest
+import ray
+import torch
+from support.cp_cluster import Cluster, assert_kv_equal, cp_prefill, make_prompts, single_process
+from support.tiny_models import add_mtp_layer, reference_model, save_reference
+
+from cluster.config import ResolvedCPConfig
+from cluster.launch import PlacementTimeout, engine_cpus, launch_engine, start_ray
+from model_workers.kv_cache import OutOfPages
+
+STRATEGIES = ["zigzag", "interleave"]
+IMPLS = ["legacy", "v2"]
+CP_SIZES = [1, 2, 3, 4]  # one engine each, alive for the whole module
+TOPK = 8  # index_topk of the tiny v32 checkpoint
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    start_ray(min_cpus=sum(engine_cpus(cp_size) for cp_size in CP_SIZES))
+    engines = Cluster()
+    yield engines
+    engines.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def v32(reference_checkpoint):
+    return reference_checkpoint("v32", mtp=True)
+
+
+def batches(cp_size: int) -> list[list[int]]:
+    """1-3 requests; lengths < C, odd, not divisible by 2C, > index_topk, and one divisible by 2C."""
+    return [[23], [max(1, cp_size - 1), 17, 10], [4 * cp_size, 9]]
+
+
+def check_against_single_process(report, kv, expected, atol: float) -> None:
+    for s, request_id in enumerate(report.request_ids):
+        out = report.outputs[request_id]
+        torch.testing.assert_close(out.logits, expected.logits[s], atol=atol, rtol=0)
+        torch.testing.assert_close(out.draft_logits, expected.draft_logits[s], atol=atol, rtol=0)
+        assert out.token_id == expected.tokens[s]
+        assert out.draft_token_id == int(expected.draft_logits[s].argmax())
+        assert_kv_equal(kv[s], expected.kv[s], atol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_cp_prefill_equals_single_process(cluster, v32, cp_size, strategy, impl):
+    _, folder = v32
+    engine = cluster.engine(cp_size, folder)
+    for lens in batches(cp_size):
+        assert max(lens) > TOPK
+        prompts = make_prompts(lens, seed=sum(lens))
+        report, kv, held, owners = cp_prefill(engine, prompts, strategy, impl)
+        assert report.cp_size_used == cp_size and len(report.ranks) == cp_size
+        assert sum(report.per_rank_logical_token) == sum(lens)
+        check_against_single_process(report, kv, single_process(folder, prompts), atol=1e-5)
+        for cp_rank, held_ids in enumerate(held):  # after prefill only the owner keeps a request's KV
+            assert held_ids == sorted(rid for rid in report.request_ids if owners[rid] == cp_rank)
+        if cp_size > 1:  # per layer: one gather of latent ‖ index key; then hidden, MTP layer, MTP hidden, control
+            assert all(r.num_collectives == 3 + 4 for r in report.ranks)
+
+
+@pytest.fixture(scope="module")
+def glm_mtp(tmp_path_factory):
+    """GLM-5 shape with a shared layer; its last layer is "full" so the MTP copy of it has an indexer."""
+    model = reference_model("glm_shared", num_hidden_layers=3, indexer_types=["full", "shared", "full"])
+    folder = save_reference(model, tmp_path_factory.mktemp("glm_mtp"))
+    add_mtp_layer(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "cp_size,strategy,impl", [(2, "zigzag", "legacy"), (2, "interleave", "v2"), (3, "zigzag", "v2"), (4, "interleave", "legacy")]
+)
+def test_glm_shared_layers_under_cp(cluster, glm_mtp, cp_size, strategy, impl):
+    folder = glm_mtp  # "shared" layers reuse the previous layer's top-k: their gathers carry no index key
+    engine = cluster.engine(cp_size, folder)
+    prompts = make_prompts([19, max(1, cp_size - 1), 10], seed=7)
+    report, kv, _, _ = cp_prefill(engine, prompts, strategy, impl)
+    assert report.cp_size_used == cp_size
+    check_against_single_process(report, kv, single_process(folder, prompts), atol=1e-5)
+
+
+@pytest.mark.parametrize("cp_size,strategy,lens", [(2, "zigzag", [3]), (3, "interleave", [2]), (4, "zigzag", [3, 4])])
+def test_too_short_batches_take_the_non_cp_path(cluster, v32, cp_size, strategy, lens):
+    _, folder = v32
+    engine = cluster.engine(cp_size, folder)
+    prompts = make_prompts(lens, seed=1)
+    report, kv, held, owners = cp_prefill(engine, prompts, strategy, "v2")
+    assert report.cp_size_used == 1 and report.per_rank_logical_token == (sum(lens),)
+    (ran,) = report.ranks  # the owner alone, no collectives
+    assert ran.num_collectives == 0 and ran.comm_bytes == 0
+    assert {owners[rid] for rid in report.request_ids} == {ran.cp_rank}
+    assert [len(h) for h in held] == [len(lens) if r == ran.cp_rank else 0 for r in range(cp_size)]
+    check_against_single_process(report, kv, single_process(folder, prompts), atol=1e-5)
+
+
+def reference_greedy(ref, ids: list[int], count: int) -> list[int]:
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("cp_size,strategy,impl", [(2, "zigzag", "legacy"), (3, "interleave", "v2"), (4, "zigzag", "v2")])
+def test_greedy_generate_matches_transformers(cluster, v32, cp_size, strategy, impl):
+    ref, folder = v32
+    engine = cluster.engine(cp_size, folder)
+    prompts = make_prompts([30, 9, 17], seed=5)
+    results = ray.get(engine.router.generate.remote(prompts, 12, strategy=strategy, impl=impl))
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == reference_greedy(ref, prompt, 12)
+    assert ray.get(engine.router.owners.remote()) == {}
+
+
+def test_twenty_prefill_batches_leak_no_pages(cluster, v32):
+    _, folder = v32
+    engine = cluster.engine(3, folder)
+    start = ray.get(engine.router.free_pages.remote())
+    for i in range(20):  # CP batches, too-short batches, and batches that also decode a few tokens
+        lens = [[2], [11, 5], [1, 30, 7], [40]][i % 4]
+        strategy, impl = STRATEGIES[i % 2], IMPLS[(i // 2) % 2]
+        prompts = make_prompts(lens, seed=i)
+        if i % 5 == 0:
+            ray.get(engine.router.generate.remote(prompts, 3, strategy=strategy, impl=impl))
+        else:
+            cp_prefill(engine, prompts, strategy, impl)
+    with pytest.raises(ray.exceptions.RayTaskError) as failure:  # 520 tokens > 64 pages x 8 on every rank
+        ray.get(engine.router.prefill.remote(make_prompts([500, 20]), strategy="interleave", impl="v2"))
+    assert isinstance(failure.value.as_instanceof_cause(), OutOfPages)
+    assert ray.get(engine.router.free_pages.remote()) == start
+    assert ray.get([w.held_requests.remote() for w in engine.workers]) == [[], [], []]
+    assert ray.get(engine.router.owners.remote()) == {}
+
+
+@pytest.fixture(scope="module")
+def shared_index_folder(v32, tmp_path_factory):
+    """The v32 + MTP checkpoint with MTP index sharing configured (GLM-5.2 style)."""
+    folder = tmp_path_factory.mktemp("v32_mtp_index_share")
+    for path in v32[1].iterdir():
+        shutil.copy(path, folder / path.name)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "index_share_for_mtp_iteration": True}))
+    return folder
+
+
+def test_mtp_topk_rows_are_gathered_in_global_order(cluster, shared_index_folder):
+    prompts = make_prompts([21, 2, 13], seed=9)
+    reports = {}
+    for cp_size, strategy in [(1, "zigzag"), (2, "interleave"), (3, "zigzag")]:
+        reports[cp_size], _, _, _ = cp_prefill(cluster.engine(cp_size, shared_index_folder), prompts, strategy, "v2")
+    for s, prompt in enumerate(prompts):
+        rows = [r.outputs[r.request_ids[s]].mtp_topk_positions for r in reports.values()]
+        positions = torch.arange(len(prompt))[:, None]  # [L, 1]
+        assert rows[0].shape == (len(prompt), min(TOPK, max(map(len, prompts))))  # batch-wide width
+        assert bool(((rows[0] <= positions) & (rows[0] >= -1)).all())  # causal, -1 padded
+        assert bool((rows[0] >= 0).sum(-1).eq(torch.clamp(positions[:, 0] + 1, max=TOPK)).all())
+        for other in rows[1:]:
+            assert torch.equal(other, rows[0])
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_bfloat16_cp_prefill_close_to_single_process(cluster, v32, cp_size):
+    # A CP rank computes exactly the single-process ops on a subset of rows; only the fp32 accumulation order
+    # inside matmuls of other row counts may differ (~1e-7 relative, see the 1e-5 float32 tests). In bf16
+    # (8 mantissa bits) such a difference can at most flip the rounding of an intermediate by one ulp
+    # (2^-8 relative); over 3 layers + MTP on logits of magnitude ~1.5 that stays well under 0.05. Tokens
+    # must agree wherever the top-2 logit margin exceeds that bound.
+    _, folder = v32
+    engine = cluster.engine(cp_size, folder, "bfloat16")
+    prompts = make_prompts([37, 3, 21], seed=2)
+    expected = single_process(folder, prompts, torch.bfloat16)
+    for strategy in STRATEGIES:
+        report, kv, _, _ = cp_prefill(engine, prompts, strategy, "v2")
+        for s, request_id in enumerate(report.request_ids):
+            out = report.outputs[request_id]
+            for got, want in [(out.logits, expected.logits[s]), (out.draft_logits, expected.draft_logits[s])]:
+                assert (got - want).abs().max() < 0.05
+                top2 = want.topk(2).values
+                if top2[0] - top2[1] > 0.1:
+                    assert int(got.argmax()) == int(want.argmax())
+            assert_kv_equal(kv[s], expected.kv[s], atol=0.05)
+
+
+def test_unplaceable_group_fails_with_the_resources_it_asked_for(cluster, v32):
+    cp = ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
+    with pytest.raises(PlacementTimeout, match=r"2 bundles \{'GPU': 1\}"):
+        launch_engine(v32[1], cp, use_gpu=True, placement_timeout_s=2)
+    states = [g["state"] for g in ray.util.placement_group_table().values()]
+    assert states.count("CREATED") == len(cluster.engines)  # the failed group was removed
