@@ -8,7 +8,9 @@ line naming the offending field and its allowed values.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -138,3 +140,11 @@ def resolve_cp_config(cp: CPConfig, hf_config: Mapping[str, Any]) -> ResolvedCPC
     return ResolvedCPConfig(
         enabled=cp.enable_prefill_cp, cp_size=cp.cp_size, strategy=cp.cp_strategy, impl=impl
     )
+
+
+def resolve_cp_settings(settings: Any, model_dir: Path) -> ResolvedCPConfig:
+    """CP settings (CLI flags or ServeAppArgs: `cp_size`, `cp_strategy`, `cp_impl`) resolved against the model's
+    config.json, with prefill CP on; one-line errors naming the field."""
+    fields = {"enable_prefill_cp": True, "cp_size": settings.cp_size, "cp_strategy": settings.cp_strategy,
+              "cp_impl": settings.cp_impl}
+    return resolve_cp_config(parse_cp_config(fields), json.loads((model_dir / "config.json").read_text()))

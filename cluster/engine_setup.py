@@ -1,4 +1,4 @@
-"""Starting a `DSAEngine` on a launched CP group, and collecting whole results (CLI, tests, benchmarks)."""
+"""Building a `GenerationEngine` over rank workers, and collecting whole results (CLI, tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import ResolvedCPConfig, check_speculative_steps
-from cluster.launch import CPEngine, launch_engine
-from cp_router.scheduler import Scheduler, SchedulerConfig
-from model_workers.model.config import load_model_config
-from model_workers.checkpoint.tokenizer import load_tokenizer
-
-from cluster.http_api.chat_template import ChatTemplate
-from cp_router.engine import DSAEngine
-from cp_router.protocol import EngineRequest, ModelInfo
+from cluster.launch import CPGroup, launch_group
 from cluster.local_worker import InProcessWorker
+from cp_router.cp.strategies import cp_alignment
+from cp_router.engine import GenerationEngine
 from cp_router.metrics import ServeMetrics
+from cp_router.protocol import EngineRequest, ModelInfo
+from cp_router.scheduler import Scheduler, SchedulerConfig
+from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
+from model_workers.model.config import load_model_config
 
 
 @dataclass(frozen=True)
@@ -25,10 +24,11 @@ class EngineOptions:
     num_pages: int = 256  # per rank
     page_size: int = 64
     num_speculative_steps: int = 0
-    prefill_token_budget: int = 2048
+    prefill_token_budget: int = 2048  # the prefill chunk: tokens of one prefill batch
     max_steps_per_call: int = 4
     use_gpu: bool | None = None
     threads_per_worker: int = 1
+    return_logits: bool = False  # ranks ship full-vocabulary logits in every output (tests, debugging)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
@@ -36,49 +36,53 @@ class EngineOptions:
             raise ValueError(f"max_steps_per_call must be >= 1, got {self.max_steps_per_call}")
 
 
-def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions, eos_ids: tuple[int, ...]) -> Scheduler:
+LOCAL_CP = ResolvedCPConfig(enabled=False, cp_size=1, strategy=None, impl="legacy")
+
+
+def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
     if cp.cp_size > 1 and not cp.enabled:
         raise ValueError(f"cp_size={cp.cp_size} needs prefill CP enabled")
-    align = 2 * cp.cp_size if cp.strategy == "zigzag" else cp.cp_size
+    strategy = cp.strategy or "zigzag"
+    align = cp_alignment(strategy, cp.cp_size)
     if options.prefill_token_budget < 2 * align:
         raise ValueError(f"prefill_token_budget must be >= {2 * align} (twice the CP alignment), "
                          f"got {options.prefill_token_budget}")
     return Scheduler(SchedulerConfig(
-        cp.cp_size, options.num_pages, options.page_size, options.prefill_token_budget, cp.strategy or "zigzag",
-        cp.impl, options.num_speculative_steps, options.max_steps_per_call, tuple(eos_ids),
+        cp.cp_size, options.num_pages, options.page_size, options.prefill_token_budget, strategy, cp.impl,
+        options.num_speculative_steps, options.max_steps_per_call, options.return_logits,
     ))
 
 
-LOCAL_CP = ResolvedCPConfig(enabled=False, cp_size=1, strategy=None, impl="legacy")
-
-
 def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list,
-                        metrics: ServeMetrics | None = None) -> DSAEngine:
-    """A `DSAEngine` over already launched rank workers (Ray actor handles, or one in-process worker)."""
+                        metrics: ServeMetrics | None = None, text: CheckpointText | None = None) -> GenerationEngine:
+    """A `GenerationEngine` over already launched rank workers (Ray actor handles, or one in-process worker).
+
+    `text`: the checkpoint's tokenizer and chat template if the caller loaded them (else they are read here)."""
     config = load_model_config(model_dir)
+    text = text or load_checkpoint_text(model_dir)
     info = ModelInfo(Path(model_dir).name, config.vocab_size, config.max_position_embeddings,
-                     ChatTemplate.from_model_dir(model_dir) is not None)
-    scheduler = scheduler_for(cp, options, config.eos_token_ids)
-    return DSAEngine(workers, scheduler, load_tokenizer(model_dir), info, metrics)
+                     text.chat_template is not None)
+    return GenerationEngine(workers, scheduler_for(cp, options), text.tokenizer, info, metrics)
 
 
 def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOptions,
-                 metrics: ServeMetrics | None = None) -> tuple[DSAEngine, CPEngine]:
+                 metrics: ServeMetrics | None = None) -> tuple[GenerationEngine, CPGroup]:
     """Launches the CP group (Ray must be running) and the engine over it; shut down the group when done."""
-    scheduler_for(cp, options, ())  # bad options fail before any actor starts
-    group = launch_engine(model_dir, cp, options.dtype, options.num_pages, options.page_size,
-                          threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu)
+    scheduler_for(cp, options)  # bad options fail before any actor starts
+    group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
+                         threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu)
     return engine_over_workers(model_dir, cp, options, group.workers, metrics), group
 
 
-def start_local_engine(model_dir: str | Path, options: EngineOptions, metrics: ServeMetrics | None = None) -> DSAEngine:
+def start_local_engine(model_dir: str | Path, options: EngineOptions,
+                       metrics: ServeMetrics | None = None) -> GenerationEngine:
     """A C = 1 engine in this process (no Ray): the CLI without --cp-size, tests, benchmarks."""
-    scheduler_for(LOCAL_CP, options, ())
+    scheduler_for(LOCAL_CP, options)
     worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size)
     return engine_over_workers(model_dir, LOCAL_CP, options, [worker], metrics)
 
 
-async def collect(engine: DSAEngine, request: EngineRequest) -> dict:
+async def collect(engine: GenerationEngine, request: EngineRequest) -> dict:
     """The whole result of one request."""
     tokens, text, logprobs, finish = [], "", [], None
     async for chunk in engine.generate(request):
@@ -92,7 +96,7 @@ async def collect(engine: DSAEngine, request: EngineRequest) -> dict:
     return result
 
 
-def run_all(engine: DSAEngine, requests: list[EngineRequest]) -> list[dict]:
+def run_all(engine: GenerationEngine, requests: list[EngineRequest]) -> list[dict]:
     """All requests concurrently (blocking), results in request order."""
     async def main():
         return await asyncio.gather(*[collect(engine, r) for r in requests])

@@ -1,9 +1,10 @@
-"""Ray placement and launch of one CP engine: C CPWorker actors in a placement group, their process group, a router.
+"""Ray placement and launch of one CP group: C CPWorker actors in a placement group, joined in a process group.
 
 One placement group per engine with C bundles (`{"GPU": 1}` each when CUDA is available, else
 `{"CPU": 1}`), one worker per bundle; cp_rank 0 picks the rendezvous address and a free port, which
 the launcher passes to every rank. A group that cannot be placed fails after a timeout with an error
-naming what it asked for; `CPEngine.shutdown` kills the actors and removes the placement group.
+naming what it asked for; `CPGroup.shutdown` kills the actors and removes the placement group. The engine
+that drives a group runs where its caller is (this process, or a Serve replica): see cluster/engine_setup.py.
 `start_workers` alone puts the workers into bundles of a placement group the caller owns (a Serve replica's).
 """
 
@@ -21,7 +22,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ResolvedCPConfig
-from cp_router.router import Router
 from model_workers.cp_worker import CPWorker
 
 
@@ -30,7 +30,7 @@ class PlacementTimeout(RuntimeError):
 
 
 def engine_cpus(cp_size: int) -> int:
-    """Logical CPUs one CPU engine occupies: a bundle per worker plus the router actor."""
+    """Logical CPUs one CPU engine occupies: a bundle per rank worker plus one for the engine's step loop."""
     return cp_size + 1
 
 
@@ -64,19 +64,17 @@ def ray_session(min_cpus: int, address: str | None):
 
 
 @dataclass
-class CPEngine:
-    """Handles of one launched engine; `router` is a Ray actor running `cp_router.router.Router`."""
+class CPGroup:
+    """Handles of one launched CP group: its rank workers (Ray actors) and their placement group."""
 
     cp: ResolvedCPConfig
     workers: list
-    router: object
     placement: object
 
     def shutdown(self) -> None:
         try:
             stop_workers(self.workers)
         finally:
-            ray.kill(self.router)
             remove_placement_group(self.placement)
 
 
@@ -128,7 +126,7 @@ def start_workers(model_dir: str | Path, cp_size: int, group, first_bundle: int,
     return workers
 
 
-def launch_engine(
+def launch_group(
     model_dir: str | Path,
     cp: ResolvedCPConfig,
     dtype: str = "float32",
@@ -137,8 +135,8 @@ def launch_engine(
     placement_timeout_s: float = 60.0,
     threads_per_worker: int = 1,
     use_gpu: bool | None = None,
-) -> CPEngine:
-    """Places a group, starts its workers (one per CP rank, see `start_workers`) and a router over them."""
+) -> CPGroup:
+    """Places a group and starts its workers (one per CP rank, see `start_workers`)."""
     use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
     group = _place(cp.cp_size, use_gpu, placement_timeout_s)
     try:
@@ -147,5 +145,4 @@ def launch_engine(
     except Exception:
         remove_placement_group(group)
         raise
-    router = ray.remote(Router).remote(workers, cp.cp_size, cp.strategy, cp.impl, cp.enabled)
-    return CPEngine(cp, workers, router, group)
+    return CPGroup(cp, workers, group)

@@ -20,9 +20,13 @@ class _Method:
 
 
 class InProcessWorker:
-    """`CPWorker(cp_rank=0, cp_size=1)` with `.step.remote(plan)` / `.free_pages.remote()` awaitable."""
+    """`CPWorker(cp_rank=0, cp_size=1)` whose public methods are called as `.method.remote(...)` and awaited."""
 
     def __init__(self, model_dir: str | Path, dtype: str, num_pages: int, page_size: int):
         self.worker = CPWorker(0, 1, num_threads=None)
         self.worker.load(str(model_dir), dtype, num_pages, page_size)
-        self.step, self.free_pages = _Method(self.worker.step), _Method(self.worker.free_pages)
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_") or not callable(getattr(CPWorker, name, None)):
+            raise AttributeError(f"CPWorker has no method {name!r}")
+        return _Method(getattr(self.worker, name))

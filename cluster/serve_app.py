@@ -1,7 +1,7 @@
 """The Ray Serve application `cluster.serve_app:app`, in one of two placements (`engine_placement`):
 
-* separate: `DSAIngress` (HTTP) replicas in front of `DSAEngine` (CP group) replicas over a deployment
-  handle; ingress and engines scale independently; every token chunk crosses one more Ray stream.
+* separate: `DSAIngress` (HTTP) replicas in front of `DSAEngine` replicas (a CP group and the
+  `GenerationEngine` driving it) over a deployment handle; ingress and engines scale independently; every token chunk crosses one more Ray stream.
 * colocated: one `DSAServer` deployment whose replica is the HTTP app and the engine at once (a CP group
   per replica); one Ray stream less per token chunk, but HTTP handling and the engine loop share one
   process. On the 2-core benchmark box neither placement was consistently faster (BENCHMARKS.md).
@@ -19,6 +19,7 @@ Serve replaces the replica. Aborts and metrics (separate placement): see cluster
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import ray
@@ -27,18 +28,17 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from model_workers.checkpoint.model_dir import resolve_model_dir
-
-from cluster.commands.args import resolve_cp_args
-from cluster.engine_setup import EngineOptions
-from cp_router.engine import DSAEngine
-from cluster.engine_setup import engine_over_workers
-from cp_router.protocol import EngineChunk, EngineRequest, ModelInfo
+from cluster.config import resolve_cp_settings
+from cluster.engine_setup import EngineOptions, engine_over_workers
 from cluster.http_api.ingress import build_app
 from cluster.launch import start_workers
-from cp_router.metrics import ServeMetrics
 from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import ServeAppArgs
+from cp_router.engine import GenerationEngine
+from cp_router.metrics import ServeMetrics
+from cp_router.protocol import EngineChunk, EngineRequest, ModelInfo
+from model_workers.checkpoint.model_dir import resolve_model_dir
+from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 
 APP_NAME = "dsa-serve"
 ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT = "DSAEngine", "DSAIngress", "DSAServer"
@@ -58,10 +58,10 @@ def engine_options(args: ServeAppArgs) -> EngineOptions:
 QUIET = {"enable_access_log": False}
 
 
-def start_replica_engine(args: ServeAppArgs, deployment: str) -> DSAEngine:
+def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointText) -> GenerationEngine:
     """The replica's CP group (rank actors in bundles 1..C of its placement group) and the engine over it."""
     model_dir = resolve_model_dir(args.model)
-    cp, options = resolve_cp_args(args, model_dir), engine_options(args)
+    cp, options = resolve_cp_settings(args, model_dir), engine_options(args)
     group = ray.util.get_current_placement_group()
     if group is None:
         raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "
@@ -69,18 +69,18 @@ def start_replica_engine(args: ServeAppArgs, deployment: str) -> DSAEngine:
     workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
                             options.page_size, options.threads_per_worker, bool(options.use_gpu))
     metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
-    return engine_over_workers(model_dir, cp, options, workers, metrics)
+    return engine_over_workers(model_dir, cp, options, workers, metrics, text)
 
 
 ENGINE_MAX_ONGOING = 4096  # engine streams in flight per replica: each HTTP request holds one per choice
 
 
 @serve.deployment(name=ENGINE_DEPLOYMENT, logging_config=QUIET)
-class EngineReplica:
-    """One CP group and the `DSAEngine` driving it."""
+class DSAEngine:
+    """One CP group and the `GenerationEngine` driving it."""
 
     def __init__(self, args: ServeAppArgs):
-        self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT)
+        self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, load_checkpoint_text(resolve_model_dir(args.model)))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         async for chunk in self.engine.generate(request):
@@ -108,7 +108,7 @@ def configure_access_log() -> None:
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, logging_config=QUIET)
 @serve.ingress()
-class IngressReplica:
+class DSAIngress:
     """The FastAPI app of cluster/ingress.py over a `ServeEngineClient`."""
 
     def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
@@ -123,18 +123,21 @@ class IngressReplica:
 
 @serve.deployment(name=SERVER_DEPLOYMENT, logging_config=QUIET)
 @serve.ingress()
-class ServerReplica:
+class DSAServer:
     """engine_placement="colocated": the HTTP app over an engine in the same process (no engine handle)."""
 
     def __init__(self, args: ServeAppArgs):
-        self.engine = start_replica_engine(args, SERVER_DEPLOYMENT)
+        model_dir = resolve_model_dir(args.model)
+        text = load_checkpoint_text(model_dir)  # read once for the engine and (same folder) the HTTP app
+        self.engine = start_replica_engine(args, SERVER_DEPLOYMENT, text)
         self.settings = args.ingress
         if self.settings.model_dir is None:
-            self.settings = self.settings.model_copy(update={"model_dir": str(resolve_model_dir(args.model))})
+            self.settings = self.settings.model_copy(update={"model_dir": str(model_dir)})
+        self.text = text if Path(self.settings.model_dir).resolve() == model_dir.resolve() else None
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
-        return build_app(self.engine, self.settings)
+        return build_app(self.engine, self.settings, self.text)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -156,13 +159,13 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
     # (Serve's default of 5 in flight per replica would serialize a 32-stream load).
     ingress_cap = 2 * args.ingress.max_ongoing_requests
     if args.engine_placement == "colocated":
-        return ServerReplica.options(placement_group_bundles=engine_bundles(args),
+        return DSAServer.options(placement_group_bundles=engine_bundles(args),
                                      placement_group_strategy=args.placement_strategy,
                                      max_ongoing_requests=ingress_cap, **replicas).bind(args)
-    engine = EngineReplica.options(placement_group_bundles=engine_bundles(args),
+    engine = DSAEngine.options(placement_group_bundles=engine_bundles(args),
                                    placement_group_strategy=args.placement_strategy,
                                    max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas).bind(args)
-    return IngressReplica.options(max_ongoing_requests=ingress_cap).bind(engine, args)
+    return DSAIngress.options(max_ongoing_requests=ingress_cap).bind(engine, args)
 
 
 def app(args: dict[str, Any]) -> Application:

@@ -16,8 +16,8 @@ from typing import AsyncIterator
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
 from cp_router.metrics import merge_metrics_text
+from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
 
 BROADCAST_TIMEOUT_S = 30.0
 

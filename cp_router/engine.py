@@ -1,59 +1,59 @@
 """The generation engine over one CP group: an asyncio step loop driving the scheduler and the rank workers.
 
-`DSAEngine` implements `EngineClient` (cluster/engine_protocol.py): `generate` queues a request and yields
-its chunks; `abort` forgets it and frees its pages at the next step, which runs at once. The loop runs one
-lockstep step at a time: `Scheduler.schedule` -> one `StepPlan` per rank -> `CPWorker.step` on every rank
-concurrently (Ray calls awaited together) -> `Scheduler.apply` -> chunks to the request streams.
+`GenerationEngine` implements `EngineClient` (cp_router/protocol.py): `generate` queues a request and yields
+its chunks; `abort` forgets it and frees its pages at once (the ranks drop its state at the next step, which
+runs at once). The loop runs one lockstep step at a time: `Scheduler.schedule` -> one `StepPlan` per rank ->
+`step.remote(plan)` on every rank concurrently (Ray actor handles, or an in-process worker with the same
+methods) -> `Scheduler.apply` -> chunks to the request streams. A request ends where its owner rank says it
+does (`RequestOutput.finish_reason`), or earlier at a stop string. Step observers (`add_step_observer`) see
+every step's plans and results: benchmarks and tests read per-rank timings, logits and page tables there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
-from cp_router.scheduler import Scheduler
-
+from cp_router.engine_stats import EngineStats
+from cp_router.metrics import ServeMetrics, track_stream
+from cp_router.plans import StepResult
 from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
 from cp_router.request_stream import RequestStream, sampling_of
-from cp_router.metrics import ServeMetrics, track_stream
+from cp_router.scheduler import ScheduledStep, Scheduler
+
+StepObserver = Callable[[ScheduledStep, list[StepResult]], Awaitable[None] | None]
 
 
-@dataclass
-class EngineStats:
-    """Counters since start (benchmarks read them)."""
-
-    steps: int = 0
-    generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    preemptions: int = 0
-    decode_calls: int = 0  # (step, rank) pairs that decoded: divides `drafted` / k into verify steps
-    step_wall_s: float = 0.0
-    worker_compute_s: float = 0.0  # max over ranks of each step's compute time, summed
-    # Decode-only steps (no prefill in the step): engine time from the previous step's end, and the time
-    # of the slowest rank's model forwards; 1 - model / wall is the per-step engine overhead.
-    decode_only_steps: int = 0
-    decode_only_wall_s: float = 0.0
-    decode_only_model_s: float = 0.0
-    decode_model_s: dict[str, float] = field(default_factory=dict)  # plain / draft / verify, summed over ranks
-    decode_loop_steps: dict[str, int] = field(default_factory=dict)  # plain / speculative, summed over ranks
-
-
-class DSAEngine:
+class GenerationEngine:
     def __init__(self, workers: list, scheduler: Scheduler, tokenizer, info: ModelInfo,
                  metrics: ServeMetrics | None = None, max_waiting: int = 4096, stuck_after_s: float = 120.0):
         self.workers, self.scheduler, self.tokenizer, self.info = workers, scheduler, tokenizer, info
         self.metrics, self.max_waiting, self.stuck_after_s = metrics, max_waiting, stuck_after_s
         self.streams: dict[str, RequestStream] = {}
         self.stats = EngineStats(accepted_per_position=[0] * scheduler.config.num_speculative_steps)
-        self.free_pages: list[int] = [scheduler.config.num_pages] * scheduler.config.cp_size
+        self.step_observers: list[StepObserver] = []
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._last_progress = time.monotonic()
         self._last_step_end = 0.0
+
+    @property
+    def free_pages(self) -> list[int]:
+        """Free KV pages per rank (the scheduler's allocators)."""
+        return self.scheduler.free_pages()
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """`observer(step, results)` after every step, before its tokens reach the streams (may be async)."""
+        self.step_observers.append(observer)
+
+    async def drain(self) -> None:
+        """Returns once the loop has run every step the scheduler still has (frees included)."""
+        self._ensure_loop()
+        self._poke()
+        while self.scheduler.has_work():
+            await asyncio.sleep(0.001)
 
     # EngineClient ---------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -85,7 +85,7 @@ class DSAEngine:
         if self.scheduler.has_work() and time.monotonic() - self._last_progress > self.stuck_after_s:
             raise RuntimeError(f"engine step loop stuck: no step finished for {self.stuck_after_s:g}s")
         try:
-            await asyncio.wait_for(asyncio.gather(*[w.free_pages.remote() for w in self.workers]), timeout=30)
+            await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout=30)
         except Exception as exc:  # noqa: BLE001 - a dead or hung rank: one line naming the failure
             raise RuntimeError(f"rank worker unreachable: {one_line(exc)}") from None
 
@@ -140,12 +140,12 @@ class DSAEngine:
             return
         ranks = list(step.plans)
         results = await asyncio.gather(*[self.workers[r].step.remote(step.plans[r]) for r in ranks])
+        for observer in self.step_observers:
+            if inspect.isawaitable(seen := observer(step, results)):
+                await seen
         outputs = {rid: out for result in results for rid, out in result.outputs.items()}
-        new_tokens = self.scheduler.apply(step, outputs)
-        eos_ids = self.scheduler.config.eos_ids
-        for request_id, tokens in new_tokens.items():
-            seq, stream = self.scheduler.sequences[request_id], self.streams.get(request_id)
-            reason = seq.finish_reason(eos_ids)
+        for request_id, tokens in self.scheduler.apply(step, outputs).items():
+            reason, stream = outputs[request_id].finish_reason, self.streams.get(request_id)
             if stream is not None:
                 reason = stream.push(tokens, outputs[request_id].logprobs, reason)
             if reason is not None:
@@ -155,22 +155,10 @@ class DSAEngine:
         self._record(step, results, outputs, end - start, end - max(start, self._last_step_end))
         self._last_step_end = end
 
-    def _record(self, step, results, outputs, wall_s: float, since_last_s: float) -> None:
-        stats, self._last_progress = self.stats, time.monotonic()
-        stats.steps, stats.step_wall_s = stats.steps + 1, stats.step_wall_s + wall_s
-        record_decode_time(stats, step, results, since_last_s)
-        stats.preemptions += len(step.preempted)
-        stats.worker_compute_s += max(r.compute_s for r in results)
-        for result in results:
-            self.free_pages[result.cp_rank] = result.free_pages
-            stats.decode_calls += bool(step.plans[result.cp_rank].decode)
-        drafted = accepted = 0
-        for out in outputs.values():
-            stats.generated += len(out.token_ids)
-            drafted, accepted = drafted + out.drafted, accepted + sum(out.accepted_per_position)
-            for j, count in enumerate(out.accepted_per_position):
-                stats.accepted_per_position[j] += count
-        stats.drafted, stats.accepted = stats.drafted + drafted, stats.accepted + accepted
+    def _record(self, step: ScheduledStep, results: list[StepResult], outputs: dict, wall_s: float,
+                since_last_s: float) -> None:
+        self._last_progress = time.monotonic()
+        drafted, accepted = self.stats.record(step, results, outputs, wall_s, since_last_s)
         if self.metrics is not None:
             self.metrics.add_speculation(drafted, accepted)
             if step.preempted:
@@ -182,7 +170,7 @@ class DSAEngine:
     def _record_gauges(self) -> None:
         cfg = self.scheduler.config
         self.metrics.set_requests(self.scheduler.num_running(), len(self.scheduler.waiting))
-        for cp_rank, free in enumerate(self.free_pages):
+        for cp_rank, free in enumerate(self.scheduler.free_pages()):
             self.metrics.set_kv_pages(cp_rank, cfg.num_pages - free, cfg.num_pages)
 
     def _fail_all(self, error: Exception) -> None:
@@ -190,17 +178,3 @@ class DSAEngine:
             stream.fail(RuntimeError(f"engine step failed: {error!r}"))
             self.scheduler.finish(request_id)
         self.streams.clear()
-
-
-def record_decode_time(stats: EngineStats, step, results, since_last_s: float) -> None:
-    """Model-forward time of the step's decode batches; decode-only steps also count toward the overhead."""
-    for result in results:
-        for phase, seconds in result.decode_model_s.items():
-            stats.decode_model_s[phase] = stats.decode_model_s.get(phase, 0.0) + seconds
-        for phase, count in result.decode_steps.items():
-            stats.decode_loop_steps[phase] = stats.decode_loop_steps.get(phase, 0) + count
-    if any(plan.prefill is not None for plan in step.plans.values()):
-        return
-    stats.decode_only_steps += 1
-    stats.decode_only_wall_s += since_last_s
-    stats.decode_only_model_s += max(sum(r.decode_model_s.values()) for r in results)

@@ -9,9 +9,9 @@ max_model_len`, `0 <= min_tokens <= max_tokens`, `top_k` is 0 (off) or in 1..voc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import AsyncIterator, Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length", "abort"]
+from cp_router.sampling import FinishReason
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ModelInfo:
     name: str  # the `model` value clients send, and the id listed by GET /v1/models
     vocab_size: int
     max_model_len: int  # context window: prompt + generated tokens
-    has_chat_template: bool  # tokenizer_config.json carries a chat_template
+    has_chat_template: bool  # the checkpoint carries a chat template
 
 
 class EngineOverloadedError(RuntimeError):
@@ -91,7 +91,7 @@ class EngineClient(Protocol):
       another choice of the same HTTP request failing) and then closes the iterator (`aclose` if present).
     * `model_info()` is cheap and constant for the life of the client.
     * `metrics_text()` returns the Prometheus text exposition of every engine replica, one `replica` label
-      value per replica (merge them with `cluster.metrics.merge_metrics_text`).
+      value per replica (merge them with `cp_router.metrics.merge_metrics_text`).
     * `check_health()` returns when the engine can serve and raises (any exception, with a message saying
       what is wrong: a dead rank actor, a stuck step loop) otherwise.
     """

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-from cp_router.plans import SamplingParams
-
 from cp_router.detokenize import IncrementalText
 from cp_router.protocol import EngineChunk, EngineRequest, TokenLogprob
+from cp_router.sampling import SamplingParams
 
 
 def sampling_of(request: EngineRequest) -> SamplingParams:

@@ -1,12 +1,17 @@
-"""The continuous-batching scheduler: pure Python over request state, one lockstep plan per rank per step.
+"""The continuous-batching scheduler: pure Python over request state and KV pages, one lockstep plan per rank.
 
-Each step: (1) frees queued by aborts, finishes and preemptions; (2) the decode batch of every rank (the
-requests it owns), several steps per call when no prefill waits; a rank whose KV would overflow first
-drops to one step, then preempts its newest request (pages freed, requeued for recompute); (3) one prefill
-batch, FCFS, bounded by the token budget and by the free pages of every rank, run with CP across all ranks
-(every rank reserves every request of the batch) or, when too short to split, on the least loaded rank.
-A prompt longer than the budget is prefilled in chunks; a chunked piece is never shorter than the CP
-alignment, so every batch holding one is split across all ranks and every rank keeps its prefix.
+Each step: (1) rank-side state of aborted, finished and preempted requests is dropped; (2) the decode batch of
+every rank (the requests it owns), several steps per call when no prefill waits; a rank whose pages would run
+out first drops to one step, then preempts its newest request (pages freed, requeued for recompute); (3) one
+prefill batch, FCFS, bounded by the token budget and by the free pages of every rank, run with CP across all
+ranks (every rank holds every request of the batch) or, when too short to split, on the least loaded rank. A
+prompt longer than the budget is prefilled in chunks; a chunked piece is never shorter than the CP alignment,
+so every batch holding one is split across all ranks and every rank keeps its prefix.
+
+The scheduler owns the KV pages, one `PageAllocator` per rank (as nano-vllm's block manager does): it grows a
+request's pages before the step that writes them, trims them after it (speculative rollback), frees the
+non-owner ranks' pages after the final prefill chunk and all of them when the request ends. Plans carry the
+page tables; ranks never allocate.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cp_router.plans import DecodeItem, StepPlan
-from cp_router.request_state import DECODING, PREFILLING, WAITING, RequestState, pages_for
+from cp_router.pages import PageAllocator, pages_for
+from cp_router.plans import DecodeItem, RequestOutput, StepPlan
+from cp_router.request_state import DECODING, PREFILLING, WAITING, RequestState
+from cp_router.sampling import SamplingParams
 from cp_router.scheduler_prefill import PrefillBatch, build_prefill_batch, plan_prefill_batch
 
 
@@ -29,7 +36,7 @@ class SchedulerConfig:
     impl: str = "legacy"
     num_speculative_steps: int = 0
     max_steps_per_call: int = 4  # decode steps per worker call when nothing else waits
-    eos_ids: tuple[int, ...] = ()
+    return_logits: bool = False  # ranks ship full-vocabulary logits back (tests, debugging)
 
 
 @dataclass
@@ -43,15 +50,16 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.sequences: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.waiting: deque[str] = deque()
+        self.allocators = [PageAllocator(config.num_pages) for _ in range(config.cp_size)]
         self.pending_free: dict[int, set[str]] = {r: set() for r in range(config.cp_size)}
         self._arrivals = 0
 
     # requests in and out -------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids: list[int], sampling) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
         cfg = self.config
-        if request_id in self.sequences:
+        if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         worst = len(prompt_ids) + sampling.max_tokens + cfg.num_speculative_steps + 1
         if not prompt_ids or pages_for(worst, cfg.page_size) > cfg.num_pages:
@@ -59,49 +67,60 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) needs"
                 f" {pages_for(worst, cfg.page_size)} KV pages; a rank has {cfg.num_pages}"
             )
-        self.sequences[request_id] = RequestState(request_id, list(prompt_ids), sampling, self._arrivals)
+        self.requests[request_id] = RequestState(request_id, list(prompt_ids), sampling, self._arrivals)
         self._arrivals += 1
         self.waiting.append(request_id)
 
     def finish(self, request_id: str) -> None:
-        """Aborted or finished: forget it and free its pages on every rank at the next step."""
-        seq = self.sequences.pop(request_id, None)
+        """Aborted or finished: forget it, free its pages now and its rank-side state at the next step."""
+        seq = self.requests.pop(request_id, None)
         if seq is None:
             return
         if request_id in self.waiting:
             self.waiting.remove(request_id)
-        for cp_rank in seq.kv_tokens:
-            self.pending_free[cp_rank].add(request_id)
+        self._release(seq)
 
     def has_work(self) -> bool:
-        return bool(self.sequences) or any(self.pending_free.values())
+        return bool(self.requests) or any(self.pending_free.values())
 
-    def pages_used(self, cp_rank: int) -> int:
-        return sum(pages_for(s.kv_tokens.get(cp_rank, 0), self.config.page_size) for s in self.sequences.values())
+    def free_pages(self) -> list[int]:
+        return [allocator.num_free for allocator in self.allocators]
 
     def num_running(self) -> int:
-        return len(self.sequences) - len(self.waiting)
+        return len(self.requests) - len(self.waiting)
+
+    def _release(self, seq: RequestState) -> None:
+        """Frees every page the request holds; its owner drops the request's draft state at the next step."""
+        for cp_rank, pages in seq.pages.items():
+            self.allocators[cp_rank].free(pages)
+        seq.pages = {}
+        if seq.owner is not None:
+            self.pending_free[seq.owner].add(seq.request_id)
 
     # one step -----------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         cfg = self.config
-        decoding = [s for s in self.sequences.values() if s.status == DECODING]
-        prefill_waits = bool(self.waiting) or any(s.status == PREFILLING for s in self.sequences.values())
+        decoding = [s for s in self.requests.values() if s.status == DECODING]
+        prefill_waits = bool(self.waiting) or any(s.status == PREFILLING for s in self.requests.values())
         num_steps = 1 if prefill_waits else cfg.max_steps_per_call
-        preempted = self._fit_decode(decoding, num_steps)
+        preempted = self._fit_decode(decoding)
         decoding = [s for s in decoding if s.status == DECODING]
-        if any(self._decode_need(decoding, r, num_steps) > cfg.num_pages for r in range(cfg.cp_size)):
+        if not self._decode_fits(decoding, num_steps):
             num_steps = 1
-        batch = plan_prefill_batch(self, self._decode_need_all(decoding, num_steps))
+        for seq in decoding:  # room for every token the call may write (speculation: k + 1 per step)
+            self.allocators[seq.owner].grow(seq.pages[seq.owner], seq.num_cached + self._growth(num_steps),
+                                            cfg.page_size)
+        batch = plan_prefill_batch(self)
         plans = self._decode_plans(decoding, num_steps)
         if batch is not None:
             for cp_rank, shard in build_prefill_batch(self, batch).items():
                 plans[cp_rank] = StepPlan(prefill=shard, decode=plans.get(cp_rank, StepPlan()).decode,
-                                          num_steps=num_steps, num_speculative_steps=cfg.num_speculative_steps)
+                                          return_logits=cfg.return_logits, num_steps=num_steps,
+                                          num_speculative_steps=cfg.num_speculative_steps)
         for cp_rank, request_ids in self.pending_free.items():
             if request_ids:
                 base = plans.get(cp_rank, StepPlan())
-                plans[cp_rank] = StepPlan(base.prefill, base.decode, False, tuple(sorted(request_ids)),
+                plans[cp_rank] = StepPlan(base.prefill, base.decode, base.return_logits, tuple(sorted(request_ids)),
                                           base.num_steps, base.num_speculative_steps)
                 request_ids.clear()
         return ScheduledStep(plans, batch, [s.request_id for s in decoding], preempted)
@@ -109,28 +128,25 @@ class Scheduler:
     def _growth(self, num_steps: int) -> int:
         return num_steps * (self.config.num_speculative_steps + 1)
 
+    def _growth_pages(self, seq: RequestState, num_steps: int) -> int:
+        needed = pages_for(seq.num_cached + self._growth(num_steps), self.config.page_size)
+        return max(0, needed - len(seq.pages[seq.owner]))
+
     def _decode_need(self, decoding: list[RequestState], cp_rank: int, num_steps: int) -> int:
-        """Pages rank `cp_rank` holds during the decode call (worst case) plus every other request's pages."""
-        growth, decoding_ids = self._growth(num_steps), {s.request_id for s in decoding}
-        need = 0
-        for seq in self.sequences.values():
-            tokens = seq.kv_tokens.get(cp_rank, 0)
-            grows = tokens and seq.request_id in decoding_ids
-            need += pages_for(tokens + (growth if grows else 0), self.config.page_size)
-        return need
+        """New pages rank `cp_rank` must hand its decoding requests for a call of `num_steps` steps."""
+        return sum(self._growth_pages(s, num_steps) for s in decoding if s.owner == cp_rank and s.status == DECODING)
 
-    def _decode_need_all(self, decoding: list[RequestState], num_steps: int) -> list[int]:
-        return [self._decode_need(decoding, r, num_steps) for r in range(self.config.cp_size)]
+    def _decode_fits(self, decoding: list[RequestState], num_steps: int) -> bool:
+        return all(self._decode_need(decoding, r, num_steps) <= self.allocators[r].num_free
+                   for r in range(self.config.cp_size))
 
-    def _fit_decode(self, decoding: list[RequestState], num_steps: int) -> list[str]:
-        """Preempts the newest request holding KV on a rank until one decode step fits there."""
+    def _fit_decode(self, decoding: list[RequestState]) -> list[str]:
+        """Preempts the newest request holding pages on a rank until one decode step fits there."""
         preempted = []
         for cp_rank in range(self.config.cp_size):
-            while self._decode_need(decoding, cp_rank, 1) > self.config.num_pages:
-                holders = [s for s in self.sequences.values() if s.kv_tokens.get(cp_rank)]
-                victim = max(holders, key=lambda s: s.arrival)
-                for r in victim.kv_tokens:
-                    self.pending_free[r].add(victim.request_id)
+            while self._decode_need(decoding, cp_rank, 1) > self.allocators[cp_rank].num_free:
+                victim = max((s for s in self.requests.values() if s.pages.get(cp_rank)), key=lambda s: s.arrival)
+                self._release(victim)
                 victim.reset_for_recompute()
                 self._requeue(victim.request_id)
                 preempted.append(victim.request_id)
@@ -138,34 +154,36 @@ class Scheduler:
 
     def _requeue(self, request_id: str) -> None:
         """Back into the waiting queue at its FCFS place (by arrival)."""
-        arrival = self.sequences[request_id].arrival
-        ahead = [rid for rid in self.waiting if self.sequences[rid].arrival < arrival]
+        arrival = self.requests[request_id].arrival
+        ahead = [rid for rid in self.waiting if self.requests[rid].arrival < arrival]
         self.waiting.insert(len(ahead), request_id)
 
     def _decode_plans(self, decoding: list[RequestState], num_steps: int) -> dict[int, StepPlan]:
         per_rank: dict[int, list[DecodeItem]] = {}
         for seq in decoding:
             remaining = seq.sampling.max_tokens - len(seq.output_ids)
-            item = DecodeItem(seq.request_id, seq.output_ids[-1], len(seq.output_ids), remaining)
+            item = DecodeItem(seq.request_id, seq.output_ids[-1], seq.num_cached, tuple(seq.pages[seq.owner]),
+                              len(seq.output_ids), remaining)
             per_rank.setdefault(seq.owner, []).append(item)
-        k = self.config.num_speculative_steps
-        return {r: StepPlan(decode=tuple(items), num_steps=num_steps, num_speculative_steps=k)
+        k, logits = self.config.num_speculative_steps, self.config.return_logits
+        return {r: StepPlan(decode=tuple(items), return_logits=logits, num_steps=num_steps, num_speculative_steps=k)
                 for r, items in per_rank.items()}
 
     # results -------------------------------------------------------------------------------------
-    def apply(self, step: ScheduledStep, outputs: dict) -> dict[str, list[int]]:
+    def apply(self, step: ScheduledStep, outputs: dict[str, RequestOutput]) -> dict[str, list[int]]:
         """Folds the owners' `RequestOutput`s into the state; returns each live request's new tokens."""
         new_tokens: dict[str, list[int]] = {}
         if step.prefill is not None:
             step.prefill.apply(self, outputs, new_tokens)
         for request_id in step.decode_ids:
-            seq, out = self.sequences.get(request_id), outputs.get(request_id)
+            seq, out = self.requests.get(request_id), outputs.get(request_id)
             if seq is None or out is None:
                 continue  # aborted while the step ran
             seq.output_ids += out.token_ids
-            seq.kv_tokens[seq.owner] += len(out.token_ids)
+            seq.num_cached += len(out.token_ids)  # the previous last token and all new ones but the last
             seq.drafted += out.drafted
             seq.accepted += sum(out.accepted_per_position)
+            self.allocators[seq.owner].trim(seq.pages[seq.owner], seq.num_cached, self.config.page_size)
             new_tokens[request_id] = list(out.token_ids)
         return new_tokens
 

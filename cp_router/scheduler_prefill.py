@@ -1,15 +1,18 @@
-"""The prefill half of a scheduler step: pick FCFS pieces under the token and page budgets, shard, apply."""
+"""The prefill half of a scheduler step: FCFS pieces under the token and page budgets, placed, sharded, applied."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cp_router.cp.metadata import build_cp_metadata
+import torch
+
+from cp_router.cp.metadata import CPMetadata, build_cp_metadata
 from cp_router.cp.padding import IMPL_LEGACY
-from cp_router.plans import PrefillRequest, PrefillShard
-from cp_router.prefill_batch import prefill_shards
-from cp_router.request_state import DECODING, PREFILLING, RequestState, pages_for
-from cp_router.cp.strategies import STRATEGY_INTERLEAVE, can_split, get_strategy
+from cp_router.cp.sharding import shard
+from cp_router.cp.strategies import STRATEGY_INTERLEAVE, can_split, cp_alignment
+from cp_router.pages import pages_for
+from cp_router.plans import NEXT_ID_SAMPLED, PrefillRequest, PrefillShard
+from cp_router.request_state import DECODING, PREFILLING, RequestState
 
 
 @dataclass(frozen=True)
@@ -28,20 +31,16 @@ class PrefillBatch:
 
     def apply(self, scheduler, outputs: dict, new_tokens: dict[str, list[int]]) -> None:
         for piece, owner in zip(self.pieces, self.owners):
-            seq: RequestState | None = scheduler.sequences.get(piece.request_id)
+            seq: RequestState | None = scheduler.requests.get(piece.request_id)
             if seq is None:
-                continue  # aborted while the step ran; its frees are queued on every rank of the batch
-            seq.prefilled = piece.prefix_len + piece.extend_len
-            if piece.final:
-                seq.kv_tokens = {owner: seq.prefilled}
+                continue  # aborted while the step ran: its pages are already free
+            seq.num_cached = piece.prefix_len + piece.extend_len
+            if piece.final:  # only the owner keeps the KV from here on
+                for cp_rank in [r for r in seq.pages if r != owner]:
+                    scheduler.allocators[cp_rank].free(seq.pages.pop(cp_rank))
                 seq.status = DECODING
                 seq.output_ids += outputs[piece.request_id].token_ids
                 new_tokens[piece.request_id] = list(outputs[piece.request_id].token_ids)
-
-
-def cp_align(scheduler) -> int:
-    cfg = scheduler.config
-    return get_strategy(cfg.strategy).align(cfg.cp_size) if cfg.cp_size > 1 else 1
 
 
 def chunk_len(remaining: int, budget_left: int, align: int) -> int:
@@ -52,24 +51,24 @@ def chunk_len(remaining: int, budget_left: int, align: int) -> int:
     return chunk
 
 
-def plan_prefill_batch(scheduler, pages_needed: list[int]) -> PrefillBatch | None:
-    """FCFS pieces (chunk continuations first) while the token budget and every rank's pages allow."""
-    cfg, align = scheduler.config, cp_align(scheduler)
-    continuing = sorted((s for s in scheduler.sequences.values() if s.status == PREFILLING), key=lambda s: s.arrival)
-    candidates = continuing + [scheduler.sequences[rid] for rid in scheduler.waiting]
-    pages, pieces, budget_left = list(pages_needed), [], cfg.prefill_token_budget
+def plan_prefill_batch(scheduler) -> PrefillBatch | None:
+    """FCFS pieces (chunk continuations first) while the token budget and every rank's free pages allow."""
+    cfg = scheduler.config
+    align = cp_alignment(cfg.strategy, cfg.cp_size)
+    continuing = sorted((s for s in scheduler.requests.values() if s.status == PREFILLING), key=lambda s: s.arrival)
+    candidates = continuing + [scheduler.requests[rid] for rid in scheduler.waiting]
+    free, pieces, budget_left = scheduler.free_pages(), [], cfg.prefill_token_budget
     for seq in candidates:
         remaining = seq.remaining_prefill()
         chunk = chunk_len(remaining, budget_left, align)
-        chunked = chunk < remaining or seq.prefilled > 0
+        chunked = chunk < remaining or seq.num_cached > 0
         if chunk < 1 or (chunked and chunk < align):
             break
-        grow = [pages_for(seq.prefilled + chunk, cfg.page_size) - pages_for(seq.kv_tokens.get(r, 0), cfg.page_size)
-                for r in range(cfg.cp_size)]
-        if any(pages[r] + grow[r] > cfg.num_pages for r in range(cfg.cp_size)):
+        grow = [pages_for(seq.num_cached + chunk, cfg.page_size) - len(seq.pages.get(r, [])) for r in range(cfg.cp_size)]
+        if any(grow[r] > free[r] for r in range(cfg.cp_size)):  # as if every rank held it: CP is decided below
             break
-        pages = [p + g for p, g in zip(pages, grow)]
-        pieces.append(Piece(seq.request_id, seq.prefilled, chunk, chunk == remaining))
+        free = [f - g for f, g in zip(free, grow)]
+        pieces.append(Piece(seq.request_id, seq.num_cached, chunk, chunk == remaining))
         budget_left -= chunk
     if not pieces:
         return None
@@ -77,14 +76,14 @@ def plan_prefill_batch(scheduler, pages_needed: list[int]) -> PrefillBatch | Non
 
 
 def _place(scheduler, pieces: tuple[Piece, ...]) -> PrefillBatch:
-    """CP across all ranks when the batch splits, else the least loaded rank; owners; reservations mirrored."""
+    """CP across all ranks when the batch splits, else the least loaded rank; owners; pages on every rank of it."""
     cfg = scheduler.config
     use_cp = cfg.cp_size > 1 and can_split([p.extend_len for p in pieces], cfg.cp_size, cfg.strategy)
-    load = [scheduler.pages_used(r) for r in range(cfg.cp_size)]
+    load = [allocator.num_used for allocator in scheduler.allocators]
     ranks = tuple(range(cfg.cp_size)) if use_cp else (min(range(cfg.cp_size), key=lambda r: (load[r], r)),)
     owners = []
     for piece in pieces:
-        seq = scheduler.sequences[piece.request_id]
+        seq = scheduler.requests[piece.request_id]
         if seq.owner is None:
             seq.owner = min(ranks, key=lambda r: (load[r], r))
             load[seq.owner] += pages_for(len(seq.context_ids()), cfg.page_size)
@@ -92,16 +91,17 @@ def _place(scheduler, pieces: tuple[Piece, ...]) -> PrefillBatch:
         if piece.request_id in scheduler.waiting:
             scheduler.waiting.remove(piece.request_id)
         seq.status = PREFILLING
-        for r in ranks:  # what every rank of the batch reserves (an abort mid-step frees it there)
-            seq.kv_tokens[r] = piece.prefix_len + piece.extend_len
+        for cp_rank in ranks:  # every rank of the batch writes the whole chunk's KV
+            pages = seq.pages.setdefault(cp_rank, [])
+            scheduler.allocators[cp_rank].grow(pages, piece.prefix_len + piece.extend_len, cfg.page_size)
     return PrefillBatch(pieces, ranks, tuple(owners))
 
 
 def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShard]:
-    """cp_rank -> its shard of the batch."""
+    """cp_rank -> its shard of the batch: its slice of the metadata, its token rows, its page tables."""
     cfg, requests, chunks, next_after = scheduler.config, [], [], []
     for piece, owner in zip(batch.pieces, batch.owners):
-        seq = scheduler.sequences[piece.request_id]
+        seq = scheduler.requests[piece.request_id]
         context = seq.context_ids()
         end = piece.prefix_len + piece.extend_len
         requests.append(PrefillRequest(seq.request_id, owner, seq.sampling, piece.final, seq.num_generated_at_prefill))
@@ -112,5 +112,24 @@ def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShar
         meta = build_cp_metadata(lens, prefixes, cfg.cp_size, cfg.strategy, cfg.impl)
     else:
         meta = build_cp_metadata(lens, prefixes, 1, STRATEGY_INTERLEAVE, IMPL_LEGACY)
-    shards = prefill_shards(tuple(requests), chunks, meta, next_after)
-    return {cp_rank: shards[i] for i, cp_rank in enumerate(batch.ranks)}
+    shards = {}
+    for shard_index, (cp_rank, (ids_local, next_local)) in enumerate(zip(batch.ranks, shard_tokens(chunks, meta, next_after))):
+        tables = tuple(tuple(scheduler.requests[p.request_id].pages[cp_rank]) for p in batch.pieces)
+        shards[cp_rank] = PrefillShard(tuple(requests), meta.rank_view(shard_index), ids_local, next_local, tables)
+    return shards
+
+
+def shard_tokens(chunks: list[list[int]], meta: CPMetadata,
+                 next_after: list[int | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per shard: (token ids [T_logical], MTP input ids [T_logical]: the left shift of the global sequence).
+
+    `chunks[s]` are request s's extend tokens; `next_after[s]` the prompt token after its chunk (a non-final
+    chunk), or None where the target samples it."""
+    tail = [NEXT_ID_SAMPLED if t is None else t for t in next_after]
+    ids_global = torch.tensor([t for c in chunks for t in c], dtype=torch.long)  # [N]
+    next_global = torch.tensor([t for c, last in zip(chunks, tail) for t in c[1:] + [last]], dtype=torch.long)  # [N]
+    out = []
+    for shard_index in range(meta.cp_size):
+        num_local = meta.per_rank_logical_token[shard_index]
+        out.append((shard(meta, ids_global, shard_index)[:num_local], shard(meta, next_global, shard_index)[:num_local]))
+    return out

@@ -11,16 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cp_router.cp.metadata import CPMetadata
+from cp_router.cp.metadata import RankMetadata
 from cp_router.plans import NEXT_ID_SAMPLED, PrefillShard, RequestOutput
-
-from model_workers.comm import LocalComm
 from model_workers.backends.cp_backend import CPBackend, gather_rows_global
+from model_workers.backends.shared_topk import position_slots
+from model_workers.backends.torch_backend import ForwardBatch
+from model_workers.comm import LocalComm
 from model_workers.kv_cache import PageTable
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.sampler import sample, token_logprob
-from model_workers.backends.shared_topk import position_slots
-from model_workers.backends.torch_backend import ForwardBatch
 
 
 @dataclass
@@ -31,19 +30,16 @@ class PrefillContext:
     backend: CPBackend
     comm: LocalComm
     cp_rank: int  # the worker's rank: it reports the requests it owns
-    tables: list[PageTable]  # per request of the batch, this rank's pages (reserved for prefix + extend)
+    tables: list[PageTable]  # per request of the batch, this rank's pages (prefix + extend), num_tokens = prefix
     page_size: int
     device: torch.device
     draft_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # owned: MTP output at the last row [D]
     draft_topk: dict[str, torch.Tensor] = field(default_factory=dict)  # owned, index sharing: its top-k slots [k']
 
 
-def cp_forward_batch(
-    tables: list[PageTable], meta: CPMetadata, shard_index: int, page_size: int, device
-) -> ForwardBatch:
+def cp_forward_batch(tables: list[PageTable], meta: RankMetadata, page_size: int, device) -> ForwardBatch:
     """Rows: this rank's logical rows. Keys: every request's positions 0..prefix+extend-1 in this rank's cache."""
-    num_local = meta.per_rank_logical_token[shard_index]
-    request_index_local = meta.request_index_local[shard_index][:num_local]  # [T_logical]
+    request_index_local = meta.request_index_local[: meta.num_logical]  # [T_logical]
     request_rows, key_slots, write_slots = [], [], []
     for s, table in enumerate(tables):
         prefix_len = meta.prefix_lens[s]
@@ -52,14 +48,14 @@ def cp_forward_batch(
         write_slots.append(slots[prefix_len:])  # [L_s] stream order of request s
         request_rows.append(torch.nonzero(request_index_local == s).flatten().to(device))
     return ForwardBatch(
-        positions=meta.positions_local[shard_index][:num_local].to(device),  # [T_logical] global positions
+        positions=meta.positions_local[: meta.num_logical].to(device),  # [T_logical] global positions
         request_rows=tuple(request_rows),
         key_slots=tuple(key_slots),
         write_slots=torch.cat(write_slots),  # [N] global stream order
     )
 
 
-def last_rows_global(meta: CPMetadata) -> torch.Tensor:
+def last_rows_global(meta: RankMetadata) -> torch.Tensor:
     """[R] stream index of each request's last extend token."""
     return torch.tensor(meta.stream_offsets[1:], dtype=torch.long) - 1
 
@@ -70,7 +66,7 @@ def fill_sampled(next_ids_local: torch.Tensor, request_index_local: torch.Tensor
 
 
 def topk_positions_global(
-    ctx: PrefillContext, batch: ForwardBatch, meta: CPMetadata, topk_slots: torch.Tensor
+    ctx: PrefillContext, batch: ForwardBatch, meta: RankMetadata, topk_slots: torch.Tensor
 ) -> torch.Tensor:
     """Top-k cache slots [T_logical, k] of this rank -> key positions [N, k] in global order (-1 padded).
 
@@ -86,7 +82,7 @@ def topk_positions_global(
 def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -> dict[str, RequestOutput]:
     """Runs this rank's shard; returns the outputs of the requests this rank owns."""
     meta, model = shard.meta, ctx.model
-    batch = cp_forward_batch(ctx.tables, meta, shard.shard_index, ctx.page_size, ctx.device)
+    batch = cp_forward_batch(ctx.tables, meta, ctx.page_size, ctx.device)
     ids_local = shard.token_ids_local.to(ctx.device)  # [T_logical]
     hidden_local = model(ids_local, batch.positions, ctx.backend.bind_shard(batch, meta, ctx.comm))  # [T_logical, D]
     for s, table in enumerate(ctx.tables):
@@ -103,6 +99,8 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -
         if req.owner_rank == ctx.cp_rank:
             token = int(sampled[s])
             out = RequestOutput(req.request_id, token, logits[s].cpu() if return_logits else None, token_ids=[token])
+            if req.final_chunk:
+                out.finish_reason = req.sampling.finish_reason(token, req.num_generated + 1, eos_ids)
             if req.sampling.logprobs is not None:
                 out.logprobs = [token_logprob(logits[s], token, req.sampling.logprobs)]
             outputs[req.request_id] = out
@@ -126,8 +124,7 @@ def run_mtp_prefill(
     and draft, shard(gather_rerange(...)) returns exactly these rows.
     """
     meta, model = shard.meta, ctx.model
-    num_local = meta.per_rank_logical_token[shard.shard_index]
-    request_index_local = meta.request_index_local[shard.shard_index][:num_local]  # [T_logical]
+    request_index_local = meta.request_index_local[: meta.num_logical]  # [T_logical]
     next_ids = fill_sampled(shard.next_ids_local, request_index_local, sampled).to(ctx.device)  # [T_logical]
     mtp_layer_id = model.config.num_hidden_layers
     share = frozenset({mtp_layer_id}) if model.config.index_share_for_mtp_iteration else frozenset()

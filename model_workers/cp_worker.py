@@ -1,9 +1,9 @@
 """The CP worker: the body of one Ray actor = one process = one CP rank.
 
-It loads the checkpoint (attention replicated on every rank), owns a paged cache and the CP group, and
-runs one `StepPlan` per step: its shard of a CP prefill batch, then its own decode batch. During prefill
-a rank holds pages for every request of the batch; after a request's final chunk only its owner keeps
-them (target and MTP KV) and decodes it alone, with no collectives.
+It loads the checkpoint (attention replicated on every rank), holds a paged cache and the CP group, and runs
+one `StepPlan` per step: its shard of a prefill batch, then its own decode batch. It never allocates KV pages:
+every plan names the pages each request writes (the engine's scheduler owns them). Between steps it keeps only
+what the model needs of the requests it owns: their sampling parameters and MTP draft state.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import time
 import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
-
-from model_workers.comm import LocalComm, ProcessGroupComm, free_port
 from model_workers.backends.cp_backend import CPBackend
-from model_workers.cp_prefill import PrefillContext, run_prefill
-from model_workers.kv_cache import OutOfPages, PageTable
 from model_workers.checkpoint.loader import load_model
+from model_workers.comm import LocalComm, ProcessGroupComm, free_port
+from model_workers.cp_prefill import PrefillContext, run_prefill
+from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
+from model_workers.kv_cache import PageTable
 from model_workers.phase_clock import PhaseClock
 from model_workers.precision import compute_dtype, storage_dtype
-from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from model_workers.runner import ModelRunner
 
 
@@ -49,7 +48,7 @@ class CPWorker:
             self.comm = ProcessGroupComm(master_addr, master_port, self.cp_rank, self.cp_size, self.device)
 
     def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64) -> dict:
-        """(Re)loads a checkpoint and a fresh cache; requests held so far are dropped."""
+        """(Re)loads a checkpoint and a fresh cache of `num_pages` pages; requests held so far are dropped."""
         storage = storage_dtype(dtype)
         model = load_model(model_dir, dtype=compute_dtype(storage, self.device), device=self.device,
                            progress=False)
@@ -69,8 +68,7 @@ class CPWorker:
             clock = PhaseClock()
             with clock.attached(self.runner.model, self.backend):
                 result.outputs.update(self._prefill(plan.prefill, plan.return_logits))
-            prefill_wall_s = time.perf_counter() - start
-            phases = clock.split(prefill_wall_s, self.comm.stats.seconds)
+            result.prefill_phase_s = clock.split(time.perf_counter() - start, self.comm.stats.seconds)
         if plan.decode:
             clock = DecodeClock()
             result.outputs.update(self._decode(plan, clock))
@@ -80,21 +78,17 @@ class CPWorker:
         result.comm_s, result.num_collectives = stats.seconds, stats.calls
         result.comm_bytes, result.kv_comm_bytes = stats.total_bytes, stats.bytes_by_tag.get("kv", 0)
         result.compute_s, result.cpu_s = wall_s - stats.seconds, time.process_time() - cpu_start
-        result.free_pages = self.runner.cache.allocator.num_free
         result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        if plan.prefill is not None:
-            result.prefill_phase_s = phases
         return result
 
     def free(self, request_ids: list[str]) -> None:
-        """Releases the pages of requests this rank holds (unknown ids are ignored: non-owners hold nothing)."""
+        """Drops the state of requests this rank owned (unknown ids are ignored: non-owners hold nothing)."""
         for request_id in request_ids:
-            held = self.held.pop(request_id, None)
-            if held is not None:
-                self.runner.release(held.table)
+            self.held.pop(request_id, None)
 
-    def free_pages(self) -> int:
-        return self.runner.cache.allocator.num_free
+    def ping(self) -> int:
+        """The health probe: answers with this worker's cp_rank."""
+        return self.cp_rank
 
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token occupies on this rank, over every cache layer (target + MTP)."""
@@ -103,14 +97,9 @@ class CPWorker:
     def held_requests(self) -> list[str]:
         return sorted(self.held)
 
-    def export_kv(self, request_id: str) -> dict[str, list[torch.Tensor | None]]:
-        """The request's cached keys per cache layer: latent [n, latent_dim], index key [n, index_dim] or None."""
-        table, cache = self.held[request_id].table, self.runner.cache
-        slots = table.slots(0, table.num_tokens, cache.page_size).to(self.device)  # [n]
-        return {
-            "latent": [layer[slots].cpu() for layer in cache.latent],
-            "index_keys": [None if layer is None else layer[slots].cpu() for layer in cache.index_keys],
-        }
+    def export_kv(self, pages: list[int], num_tokens: int) -> dict[str, list[torch.Tensor | None]]:
+        """The cached keys of positions 0..num_tokens-1 stored in `pages` (a request's page table), per layer."""
+        return self.runner.cache.rows(PageTable(list(pages), num_tokens))
 
     def shutdown(self) -> None:
         self.held = {}
@@ -119,61 +108,23 @@ class CPWorker:
     @torch.inference_mode()
     def _prefill(self, shard: PrefillShard, return_logits: bool) -> dict[str, RequestOutput]:
         comm = self.comm if shard.meta.cp_size > 1 else LocalComm()
-        tables = self._reserve_everywhere(shard, comm)
+        tables = [PageTable(list(pages), prefix) for pages, prefix in zip(shard.page_tables, shard.meta.prefix_lens)]
+        for table, extend_len in zip(tables, shard.meta.extend_lens):
+            self.runner.cache.check_room(table, table.num_tokens + extend_len)
         ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size, self.device)
-        try:
-            outputs = run_prefill(ctx, shard, return_logits)
-        except Exception:
-            self.free([req.request_id for req in shard.requests])
-            raise
-        self.free([req.request_id for req in shard.requests if req.owner_rank != self.cp_rank and req.final_chunk])
-        for request_id, hidden in ctx.draft_hidden.items():
-            self.held[request_id].draft_hidden = hidden
-            self.held[request_id].draft_topk = ctx.draft_topk.get(request_id)
+        outputs = run_prefill(ctx, shard, return_logits)
+        for req in shard.requests:  # the owner keeps what decoding needs once the prompt is in the cache
+            if req.owner_rank == self.cp_rank and req.final_chunk:
+                self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
+                                                        ctx.draft_topk.get(req.request_id))
         return outputs
-
-    def _reserve_everywhere(self, shard: PrefillShard, comm: LocalComm) -> list[PageTable]:
-        """Reserves on every rank of the batch or on none: a rank that cannot must not leave others waiting."""
-        failure = None
-        try:
-            tables = self._reserve(shard)
-        except (OutOfPages, ValueError) as exc:
-            failure = exc
-        ok_local = torch.tensor([[failure is None]], dtype=torch.int32, device=self.device)  # [1, 1]
-        ok_ranks = comm.all_gather_rows(ok_local, "control").flatten().tolist()  # [cp_size]
-        if failure is not None:
-            raise failure
-        if not all(ok_ranks):
-            self.free([req.request_id for req in shard.requests])
-            failed = [r for r, ok in enumerate(ok_ranks) if not ok]
-            raise OutOfPages(f"prefill batch rejected: cp_rank(s) {failed} could not reserve its pages")
-        return tables
-
-    def _reserve(self, shard: PrefillShard) -> list[PageTable]:
-        """This rank's table of every request of the batch, grown to prefix + extend (all or nothing)."""
-        meta, created = shard.meta, []
-        try:
-            for s, req in enumerate(shard.requests):
-                if req.request_id not in self.held:
-                    self.held[req.request_id] = HeldRequest(PageTable(), req.sampling)
-                    created.append(req.request_id)
-                table = self.held[req.request_id].table
-                if table.num_tokens != meta.prefix_lens[s]:
-                    raise ValueError(
-                        f"request {req.request_id}: prefix_len={meta.prefix_lens[s]} but cp_rank {self.cp_rank}"
-                        f" holds {table.num_tokens} tokens"
-                    )
-                self.runner.cache.reserve(table, meta.prefix_lens[s] + meta.extend_lens[s])
-        except (OutOfPages, ValueError):
-            self.free(created)
-            raise
-        return [self.held[req.request_id].table for req in shard.requests]
 
     @torch.inference_mode()
     def _decode(self, plan: StepPlan, clock: DecodeClock) -> dict[str, RequestOutput]:
         """Owned requests only, no collectives: `plan.num_steps` plain or speculative decode steps."""
         states = [
-            DecodeState(item.request_id, self.held[item.request_id], item.token_id, item.num_generated, item.max_new)
+            DecodeState(item.request_id, self.held[item.request_id], PageTable(list(item.pages), item.num_cached),
+                        item.token_id, item.num_generated, item.max_new)
             for item in plan.decode
         ]
         return run_decode(self.runner, states, plan.num_steps, plan.num_speculative_steps, plan.return_logits, clock)

@@ -19,17 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cp_router.plans import RequestOutput, SamplingParams
-
+from cp_router.plans import RequestOutput
+from cp_router.sampling import SamplingParams
+from model_workers.backends.shared_topk import SharedTopkBackend, reuse_rows
 from model_workers.kv_cache import PageTable
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.sampler import draft_token, sample, token_logprob, verify
-from model_workers.backends.shared_topk import SharedTopkBackend, reuse_rows
 
 
 @dataclass
 class HeldRequest:
-    table: PageTable
+    """What the owner rank keeps of a request between steps (its pages belong to the scheduler)."""
+
     sampling: SamplingParams
     draft_hidden: torch.Tensor | None = None  # [D] MTP output at the last cached position
     draft_topk: torch.Tensor | None = None  # [k'] MTP top-k slots there (MTP index sharing only)
@@ -41,6 +42,7 @@ class DecodeState:
 
     request_id: str
     held: HeldRequest
+    table: PageTable  # the plan's pages; num_tokens = positions cached
     last_token: int  # emitted, not yet cached
     index: int  # output number of the next token
     budget: int  # tokens it may still emit; the request ends when it reaches 0
@@ -52,17 +54,16 @@ class DecodeState:
 
 
 def emit(state: DecodeState, tokens: list[int], rows: torch.Tensor, eos_ids: tuple[int, ...]) -> int:
-    """Appends tokens up to the budget and the first stop id / EOS; rows [len(tokens), V] raw logits.
-
-    Returns how many were kept."""
+    """Appends tokens until one finishes the request (`SamplingParams.finish_reason`: a stop id / EOS past
+    min_tokens, or max_tokens); rows [len(tokens), V] raw logits. Returns how many were kept."""
     params, kept = state.held.sampling, 0
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
     for j, token in enumerate(tokens):
         if params.logprobs is not None:
             state.out.logprobs.append(token_logprob(rows[j], token, params.logprobs))
         state.out.token_ids.append(token)
         kept, state.budget, state.index = kept + 1, state.budget - 1, state.index + 1
-        if (token in stops and state.index > params.min_tokens) or state.budget == 0:
+        state.out.finish_reason = params.finish_reason(token, state.index, eos_ids)  # "length" at budget 0
+        if state.out.finish_reason is not None:
             state.finished = True
             break
     state.last_token = state.out.token_id = state.out.token_ids[-1]
@@ -89,7 +90,7 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
     """One token per request: target forward of [t_n] each, sample."""
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
     with clock.timed("plain"):
-        hidden = runner.extend([ExtendItem(s.held.table, [s.last_token]) for s in states])  # [B, D]
+        hidden = runner.extend([ExtendItem(s.table, [s.last_token]) for s in states])  # [B, D]
         logits = model.logits(hidden)  # [B, V] float32
     clock.steps["plain"] += 1
     argmax = logits.argmax(-1).tolist()  # [B]
@@ -112,7 +113,7 @@ def draft_chain(
 ) -> tuple[list[list[int]], list[list]]:
     """k draft tokens per request (MTP layer on its own output hidden); returns drafts and their q's."""
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
-    starts = [s.held.table.num_tokens for s in states]  # n per request
+    starts = [s.table.num_tokens for s in states]  # n per request
     hidden = torch.stack([s.held.draft_hidden for s in states])  # [B, D]
     drafts, probs = [[] for _ in states], [[] for _ in states]
     for j in range(k):
@@ -123,9 +124,9 @@ def draft_chain(
             drafts[b].append(token)
             probs[b].append(q)
         if j < k - 1:  # MTP position n + j takes (d_j, its own previous output)
-            items = [ExtendItem(s.held.table, [drafts[b][j]]) for b, s in enumerate(states)]
+            items = [ExtendItem(s.table, [drafts[b][j]]) for b, s in enumerate(states)]
             if shared is not None:  # top-k of the last draft-extend row + the chain's own keys n..n+j
-                tables = [s.held.table for s in states]
+                tables = [s.table for s in states]
                 shared.reuse = reuse_rows([s.held.draft_topk for s in states], tables, starts, j, runner.page_size)
             hidden = runner.extend_mtp(items, hidden, [n + j for n in starts], backend=shared)  # [B, D]
     return drafts, probs
@@ -134,13 +135,13 @@ def draft_chain(
 def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clock: DecodeClock) -> None:
     """Draft k, verify k + 1 in one target forward, roll back, draft-extend the accepted tokens."""
     model, cache, eos_ids = runner.model, runner.cache, runner.model.config.eos_token_ids
-    starts = [s.held.table.num_tokens for s in states]  # n per request
+    starts = [s.table.num_tokens for s in states]  # n per request
     for state, n in zip(states, starts):
-        cache.reserve(state.held.table, n + k + 1)
+        cache.check_room(state.table, n + k + 1)
     shared = sharing_backend(runner, states)
     with clock.timed("draft"):
         drafts, probs = draft_chain(runner, states, k, shared)
-    verify_items = [ExtendItem(s.held.table, [s.last_token] + d) for s, d in zip(states, drafts)]
+    verify_items = [ExtendItem(s.table, [s.last_token] + d) for s, d in zip(states, drafts)]
     with clock.timed("verify"):
         hidden = runner.extend(verify_items).view(len(states), k + 1, -1)  # [B, k+1, D]
         logits = model.logits(hidden)  # [B, k+1, V]
@@ -153,10 +154,10 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
         state.out.drafted += k
         for j in range(accepted):
             state.out.accepted_per_position[j] += 1
-        cache.truncate(state.held.table, n + accepted + 1)
+        state.table.num_tokens = n + accepted + 1  # roll back: the rejected drafts' KV is overwritten later
         emit(state, tokens, logits[b], eos_ids)
         if not state.finished:
-            extend_items.append(ExtendItem(state.held.table, tokens))
+            extend_items.append(ExtendItem(state.table, tokens))
             extend_rows.append(hidden[b, : accepted + 1])  # [m+1, D] target hidden at positions n..n+m
             extend_starts.append(n)
             extended.append(state)

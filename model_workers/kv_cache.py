@@ -1,8 +1,9 @@
-"""Paged KV cache: fixed-size pages, one page table per request, a pure-Python allocator that never leaks.
+"""Paged KV cache of one rank: fixed-size pages addressed through page tables the engine's scheduler hands out.
 
 Per cache layer (target layers, then MTP layers) the cache holds the MLA latent c_kv ‖ k_pe and, on
 layers that run an indexer, the indexer key. A slot is `page * page_size + offset`; every layer uses
-the same slots for the same token, so one page table serves all layers.
+the same slots for the same token, so one page table serves all layers. The rank never allocates pages:
+the scheduler's allocator (cp_router/pages.py) does, and a step's plan carries each request's pages.
 """
 
 from __future__ import annotations
@@ -10,40 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-
-class OutOfPages(RuntimeError):
-    """The allocator cannot satisfy a request; callers check `can_allocate` first or preempt."""
-
-
-class PageAllocator:
-    def __init__(self, num_pages: int):
-        if num_pages <= 0:
-            raise ValueError(f"num_pages={num_pages}: must be positive")
-        self.num_pages = num_pages
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
-        self._in_use: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def can_allocate(self, count: int) -> bool:
-        return 0 <= count <= len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        if not self.can_allocate(count):
-            raise OutOfPages(f"asked for {count} pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.pop() for _ in range(count)]
-        self._in_use.update(pages)
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        for page in pages:
-            if page not in self._in_use:
-                raise ValueError(f"page {page} freed twice or never allocated")
-            self._in_use.remove(page)
-            self._free.append(page)
 
 
 @dataclass
@@ -71,8 +38,9 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        self.page_size = page_size
-        self.allocator = PageAllocator(num_pages)
+        if num_pages <= 0:
+            raise ValueError(f"num_pages={num_pages}: must be positive")
+        self.num_pages, self.page_size = num_pages, page_size
         slots = num_pages * page_size
         self.latent = [torch.zeros(slots, latent_dim, dtype=dtype, device=device) for _ in indexed_layers]
         self.index_keys = [
@@ -80,23 +48,22 @@ class PagedKVCache:
             for has_index in indexed_layers
         ]
 
-    def pages_needed(self, table: PageTable, new_total_tokens: int) -> int:
-        needed = -(-new_total_tokens // self.page_size)
-        return max(0, needed - len(table.pages))
+    def check_room(self, table: PageTable, num_tokens: int) -> None:
+        """The plan's contract: `table` has pages (on this cache) for positions 0..num_tokens-1."""
+        if len(table.pages) * self.page_size < num_tokens:
+            raise ValueError(f"page table of {len(table.pages)} pages x {self.page_size} holds fewer than the "
+                             f"{num_tokens} positions the step writes; the scheduler must grow it first")
+        if table.pages and not 0 <= min(table.pages) <= max(table.pages) < self.num_pages:
+            raise ValueError(f"page table {table.pages} names pages outside this cache's 0..{self.num_pages - 1}")
 
-    def reserve(self, table: PageTable, new_total_tokens: int) -> None:
-        """Grow the table so positions < new_total_tokens have slots (KV is written later)."""
-        table.pages.extend(self.allocator.allocate(self.pages_needed(table, new_total_tokens)))
-
-    def truncate(self, table: PageTable, num_tokens: int) -> None:
-        """Roll back to `num_tokens` valid positions and release pages no longer needed."""
-        keep = -(-num_tokens // self.page_size)
-        self.allocator.free(table.pages[keep:])
-        del table.pages[keep:]
-        table.num_tokens = min(table.num_tokens, num_tokens)
-
-    def release(self, table: PageTable) -> None:
-        self.truncate(table, 0)
+    def rows(self, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
+        """The cached keys of positions 0..num_tokens-1 per cache layer: latent [n, latent_dim] and index key
+        [n, index_dim] (None on layers without an indexer)."""
+        slots = table.slots(0, table.num_tokens, self.page_size).to(self.latent[0].device)  # [n]
+        return {
+            "latent": [layer[slots].cpu() for layer in self.latent],
+            "index_keys": [None if layer is None else layer[slots].cpu() for layer in self.index_keys],
+        }
 
     def bytes_per_token(self) -> int:
         total = sum(t.shape[1] * t.element_size() for t in self.latent)

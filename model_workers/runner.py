@@ -1,7 +1,8 @@
 """Single-process model runner: appends tokens to requests through the paged cache and returns hidden states.
 
 Prefill, chunked prefill (a cached prefix), decode and multi-token verification are all "extend": each
-request appends some tokens at positions table.num_tokens.. and its queries see every earlier key.
+request appends some tokens at positions table.num_tokens.. and its queries see every earlier key. The
+caller's page tables must already hold pages for the new positions (the scheduler's, or a test's allocator).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cp_router.pages import pages_for
+from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
 from model_workers.kv_cache import PagedKVCache, PageTable
 from model_workers.model.decoder import DSAForCausalLM
-from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
 
 
 @dataclass
@@ -54,14 +56,23 @@ class ModelRunner:
         )
         self.backend = TorchBackend(self.cache)
 
-    def reserve(self, items: list[ExtendItem]) -> None:
-        for item in items:
-            self.cache.reserve(item.table, item.table.num_tokens + len(item.token_ids))
+    def standalone_tables(self, lens: list[int]) -> list[PageTable]:
+        """Empty page tables for requests of up to `lens` tokens on disjoint pages 0.. of this cache, for a runner
+        that serves nothing else (tests, evaluation); the served path gets its tables from the scheduler."""
+        tables, first = [], 0
+        for length in lens:
+            count = pages_for(length, self.page_size)
+            tables.append(PageTable(list(range(first, first + count))))
+            first += count
+        if first > self.cache.num_pages:
+            raise ValueError(f"{sum(lens)} tokens need {first} pages; the cache has {self.cache.num_pages}")
+        return tables
 
     @torch.inference_mode()
     def extend(self, items: list[ExtendItem]) -> torch.Tensor:
         """Runs the target model on the new tokens; returns final-normed hidden [sum(new), hidden]."""
-        self.reserve(items)
+        for item in items:
+            self.cache.check_room(item.table, item.table.num_tokens + len(item.token_ids))
         batch = build_forward_batch(items, self.page_size, self.device)
         ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, batch.positions, self.backend.bind(batch))
@@ -84,11 +95,9 @@ class ModelRunner:
         item are the t_{i+1}. Returns the MTP hidden output [rows, hidden] (before shared_head.norm).
         """
         shifted = [ExtendItem(PageTable(it.table.pages, start), it.token_ids) for it, start in zip(items, tables_start)]
+        for item in shifted:
+            self.cache.check_room(item.table, item.table.num_tokens + len(item.token_ids))
         batch = build_forward_batch(shifted, self.page_size, self.device)
         ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
         backend = (backend or self.backend).bind(batch)  # another backend: e.g. MTP index sharing
         return self.model.mtp_forward(ids, prev_hidden, batch.positions, backend, mtp_index)
-
-    def release(self, table: PageTable) -> None:
-        self.cache.release(table)
-

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from cp_router.plans import SamplingParams
+from cp_router.sampling import SamplingParams
 
 SLOT_DRAFT, SLOT_ACCEPT, SLOT_TARGET = 0, 1, 2
 _MASK64 = (1 << 64) - 1
@@ -28,13 +28,6 @@ def uniform(seed: int, index: int, slot: int) -> float:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
-
-
-def blocked_ids(params: SamplingParams, eos_ids: tuple[int, ...], index: int) -> list[int]:
-    """Tokens that may not be output number `index`: stop ids and EOS before min_tokens."""
-    if index >= params.min_tokens:
-        return []
-    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int]) -> torch.Tensor:
@@ -74,7 +67,7 @@ def sample(
     logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None
 ) -> int:
     """Output token number `index` from logits [V]; `argmax` of the logits when the caller has it (batched)."""
-    blocked = blocked_ids(params, eos_ids, index)
+    blocked = params.blocked_ids(eos_ids, index)
     if params.greedy and not blocked:
         return int(logits.argmax()) if argmax is None else argmax
     probs = target_probs(logits, params, blocked)
@@ -87,7 +80,7 @@ def draft_token(
     """The draft's proposal for output `index`: (token, q [V]); q is None when greedy (argmax, no q needed)."""
     if params.greedy:
         return (int(draft_logits.argmax()) if argmax is None else argmax), None
-    q = target_probs(draft_logits, params, blocked_ids(params, eos_ids, index))
+    q = target_probs(draft_logits, params, params.blocked_ids(eos_ids, index))
     return draw(q, uniform(params.seed, index, SLOT_DRAFT)), q
 
 
@@ -108,7 +101,7 @@ def verify(
     argmax = argmax or [None] * len(target_logits)
     tokens = []
     for j, (draft, q) in enumerate(zip(drafts, draft_probs)):
-        blocked = blocked_ids(params, eos_ids, index + j)
+        blocked = params.blocked_ids(eos_ids, index + j)
         if params.greedy:
             target = sample(target_logits[j], params, eos_ids, index + j, argmax[j])
             if target != draft:

@@ -18,10 +18,9 @@ import time
 
 import torch
 
+from cluster.bench.common import spelled_command
 from cluster.commands.args import add_dtype_argument, int_list
 from model_workers.precision import compute_dtype, storage_dtype
-
-from cluster.bench.decode import spelled_command
 
 DEFAULT_LENGTHS = "64,128,256,512,1024,2048,4096,8192"
 INPUTS = "the layer's own projections of embedded random token ids (torch seed 0), positions 0..L-1"
@@ -146,10 +145,9 @@ def validate(args: argparse.Namespace) -> list[int]:
 
 
 def run_attention(args: argparse.Namespace) -> int:
-    from model_workers.checkpoint.model_dir import resolve_model_dir
-    from model_workers.checkpoint.loader import load_model
-
     from cluster.bench.plot import require_matplotlib, save_plot
+    from model_workers.checkpoint.loader import load_model
+    from model_workers.checkpoint.model_dir import resolve_model_dir
 
     lengths = validate(args)
     if args.plot:

@@ -12,16 +12,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shlex
 import time
 
+from cluster.bench.common import PROMPTS, spelled_command
 from cluster.commands.args import add_dtype_argument, add_speculative_argument, int_list
 from cluster.config import MAX_SPECULATIVE_STEPS
 
-PROMPTS = (
-    "def __init__(self", "import os\nimport sys\n\n", "class Parser:\n    ", "for i in range(",
-    "    return self.", "if __name__ == '__main__':\n", "def read(path):\n    with open(", "# Copyright",
-)
 FORMULA = "(1 - a^(k+1)) / (1 - a), a = accepted / drafted"
 SPEEDUP_FORMULA = "E / (k*c + v): E mean accepted length, c draft cost per token and v verify cost, in plain steps"
 DECODE_FLAGS = ("model", "speculative_num_steps", "batch_size", "max_tokens", "temperature", "dtype", "steps_per_call", "ray")
@@ -41,20 +37,6 @@ def add_parser(kinds) -> None:
     decode.add_argument("--json", action="store_true", help="print one JSON object")
     decode.add_argument("--plot", default=None, help="also draw the results into this PNG")
     decode.set_defaults(run=run_decode)
-
-
-def spelled_command(kind: str, args: argparse.Namespace, names: tuple[str, ...]) -> str:
-    """`dsa-serve bench KIND --flag value ...` with every setting in `names` spelled out (flags set to True
-    appear bare, False / None ones are left out) and --json: the command that reproduces the result."""
-    words = ["dsa-serve", "bench", kind]
-    for name in names:
-        value = getattr(args, name)
-        if value is None or value is False:
-            continue
-        words.append("--" + name.replace("_", "-"))
-        if value is not True:
-            words.append(str(value))
-    return shlex.join(words + ["--json"])
 
 
 def formula(a: float, k: int) -> float:

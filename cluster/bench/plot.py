@@ -1,17 +1,16 @@
 """PNG plots of bench results: `save_plot(result, path)` picks the plot by result["bench"].
 
 matplotlib is optional (`pip install 'dsa-serve[bench]'`) and imported only when a plot is drawn, with
-the non-interactive Agg backend. The "serve" plot is the `plot` of `cluster/bench_serve.py` or
-`cluster/bench_serve_report.py`.
+the non-interactive Agg backend. The "serve" plot is `cluster.bench.serve_report.plot`.
 Each plot reads its numbers through a small accessor (`prefill_points`, `decode_series`) so a change
 in a bench's JSON layout is absorbed in one place; the report uses the same accessors.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from pathlib import Path
+
+from cluster.bench.serve_report import plot as plot_serve
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib: pip install 'dsa-serve[bench]'"
 PREFILL_EFFICIENCY_TARGET = 0.90
@@ -45,15 +44,8 @@ def save_plot(result: dict, path: str) -> None:
     plt.close(figure)
 
 
-SERVE_PLOT_MODULES = ("cluster.bench.serve", "cluster.bench.serve_report")  # the first with a `plot` draws
-
-
 def serve_plot(result: dict, path: str) -> None:
-    for name in SERVE_PLOT_MODULES:
-        if importlib.util.find_spec(name) is not None and hasattr(module := importlib.import_module(name), "plot"):
-            module.plot(result, path)
-            return
-    raise ValueError(f"no plot for bench 'serve': none of {', '.join(SERVE_PLOT_MODULES)} has a plot()")
+    plot_serve(result, path)  # draws and saves its own figure (three panels)
 
 
 def plot_attention(result: dict, plt):

@@ -1,10 +1,12 @@
-"""`dsa-serve bench prefill`: CP prefill scaling over prompt lengths, in one Ray session.
+"""`dsa-serve bench prefill`: CP prefill scaling over prompt lengths, through the engine `serve` runs.
 
-Per length L, three engines prefill the same random prompt: C = 1 with 1 thread, C = 1 with C threads
-(the same cores as the CP run) and C ranks with 1 thread each. Reported: strong-scaling efficiency
-T(C=1, 1 thread) / (C · T(C)), equal-cores ratio T(C=1, C threads) / T(C), per-rank compute and its
-imbalance (measured, and the causal-work model for zigzag / interleave / a contiguous split), the time
-split per phase, KV gather bytes next to the formula, peak RSS per rank and KV bytes per token.
+Per length L, three CP groups prefill the same random prompt (one output token): C = 1 with 1 thread, C = 1
+with C threads (the same cores as the CP run) and C ranks with 1 thread each. Each group is driven by the
+engine twice: the served path (the prompt chunked into prefill batches of `prefill_chunk_tokens`, as `serve`
+runs it; the headline numbers) and one unchunked batch (`one_batch`). Reported: strong-scaling efficiency
+T(C=1, 1 thread) / (C · T(C)), equal-cores ratio T(C=1, C threads) / T(C), per-rank compute and its imbalance
+(measured, and the causal-work model for zigzag / interleave / a contiguous split), the time split per phase,
+KV gather bytes next to the formula, peak RSS per rank and KV bytes per token.
 """
 
 from __future__ import annotations
@@ -16,16 +18,17 @@ from pathlib import Path
 
 import torch
 
-from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, max_over_mean
-
-from cluster.bench.decode import spelled_command
+from cluster.bench.common import spelled_command
 from cluster.commands.args import add_cp_arguments, add_device_argument, add_dtype_argument, int_list
+from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, max_over_mean
 from model_workers.precision import storage_dtype
 
 KV_GATHER_FORMULA = "(C-1)/C * L * layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes"
 KV_TOKEN_FORMULA = "layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes (MTP layer included)"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
 PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "prompt_len", "dtype", "repeats", "skip_equal_cores")
+PATHS = {"served": "the prompt in chunks of prefill_chunk_tokens, one engine step each (what serve runs)",
+         "one_batch": "the whole prompt as one prefill batch (one engine step)"}
 
 
 def add_parser(kinds) -> None:
@@ -52,47 +55,26 @@ def kv_bytes_per_token_formula(hf_config: dict, dtype: str) -> int:
     return layers * width * storage_dtype(dtype).itemsize
 
 
-def time_prefills(engine, prompt: list[int], cp, repeats: int) -> dict:
-    """Median wall over `repeats` prefills of one prompt through the router; per-rank numbers of the median."""
-    import ray
-
-    reports = []
-    for _ in range(repeats):
-        report = ray.get(engine.router.prefill.remote([prompt], strategy=cp.strategy, impl=cp.impl))
-        ray.get(engine.router.release.remote(report.request_ids))
-        reports.append(report)
-    report = sorted(reports, key=lambda r: r.wall_s)[len(reports) // 2]
-    ranks = sorted(report.ranks, key=lambda r: r.cp_rank)
-    compute = [r.compute_s for r in ranks]
-    return {
-        "cp_size_used": report.cp_size_used, "wall_s": report.wall_s, "per_rank_compute_s": compute,
-        "per_rank_comm_s": [r.comm_s for r in ranks], "per_rank_cpu_s": [r.cpu_s for r in ranks],
-        "compute_imbalance_max_over_mean": max_over_mean(compute),
-        "per_rank_phase_s": [r.prefill_phase_s for r in ranks],
-        "kv_comm_bytes_per_rank": [r.kv_comm_bytes for r in ranks],
-        "comm_bytes_per_rank": [r.comm_bytes for r in ranks],
-        "peak_rss_bytes_per_rank": [r.peak_rss_bytes for r in ranks],
-    }
-
-
 def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]], args) -> dict:
-    """One engine (C ranks, `threads` each) prefilling every length, shortest first, after a warm-up."""
+    """One CP group (C ranks, `threads` each) prefilling every length on both paths, shortest first."""
     import ray
 
-    from cluster.launch import launch_engine
+    from cluster.bench.prefill_runs import served_and_one_batch
+    from cluster.engine_setup import EngineOptions
+    from cluster.launch import launch_group
     from cp_router.cp.padding import ceil_div
 
-    num_pages = ceil_div(max(prompts), 64) + 2
-    engine = launch_engine(model_dir, cp, args.dtype, num_pages, 64, threads_per_worker=threads,
-                           use_gpu=str(args.device).startswith("cuda"))
+    options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64,
+                            threads_per_worker=threads, use_gpu=args.device == "cuda")
+    group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
+                         threads_per_worker=threads, use_gpu=options.use_gpu)
     try:
-        warm = next(iter(prompts.values()))[:256]
-        time_prefills(engine, warm, cp, 1)
-        runs = {length: time_prefills(engine, prompt, cp, args.repeats) for length, prompt in prompts.items()}
-        kv_per_token = ray.get(engine.workers[0].kv_bytes_per_token.remote())
-        return {"threads_per_rank": threads, "cp_size": cp.cp_size, "runs": runs, "kv_bytes_per_token": kv_per_token}
+        paths = served_and_one_batch(model_dir, cp, group.workers, options, prompts, args.repeats)
+        kv_per_token = ray.get(group.workers[0].kv_bytes_per_token.remote())
+        return {"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": paths, "kv_bytes_per_token": kv_per_token,
+                "prefill_chunk_tokens": options.prefill_token_budget}
     finally:
-        engine.shutdown()
+        group.shutdown()
 
 
 def modeled_imbalance(length: int, cp_size: int, impl: str) -> dict[str, float]:
@@ -106,33 +88,42 @@ def modeled_imbalance(length: int, cp_size: int, impl: str) -> dict[str, float]:
     return out
 
 
-def length_entry(length: int, cp, hf_config: dict, args, single: dict, equal: dict | None, ranks: dict) -> dict:
-    """One prompt length: the three runs and the ratios derived from them."""
+def path_entry(cp_size: int, single: dict, equal: dict | None, ranks: dict) -> dict:
+    """One path at one length: the three runs and the ratios derived from them."""
     t1, t_cp = single["wall_s"], ranks["wall_s"]
-    entry = {
-        "prompt_len": length, "cp_size": cp.cp_size, "c1_wall_s": t1, "cp_wall_s": t_cp,
-        "c1_cthreads_wall_s": equal["wall_s"] if equal else None,
-        "strong_scaling_efficiency": t1 / (cp.cp_size * t_cp),
+    return {
+        "c1_wall_s": t1, "cp_wall_s": t_cp, "c1_cthreads_wall_s": equal["wall_s"] if equal else None,
+        "chunks": ranks["chunks"], "strong_scaling_efficiency": t1 / (cp_size * t_cp),
         "equal_cores_ratio": equal["wall_s"] / t_cp if equal else None,
         "per_rank_compute_s": ranks["per_rank_compute_s"],
         "compute_imbalance_max_over_mean": ranks["compute_imbalance_max_over_mean"],
-        "modeled_causal_work_imbalance": modeled_imbalance(length, cp.cp_size, cp.impl),
         "per_rank_phase_s": ranks["per_rank_phase_s"], "c1_phase_s": single["per_rank_phase_s"][0],
         "measured_kv_bytes_per_rank": max(ranks["kv_comm_bytes_per_rank"]),
-        "formula_kv_bytes_per_rank": formula_kv_bytes(hf_config, cp.cp_size, length, args.dtype),
         "comm_bytes_per_rank": ranks["comm_bytes_per_rank"],
         "peak_rss_bytes_per_rank": ranks["peak_rss_bytes_per_rank"],
         "c1_peak_rss_bytes": single["peak_rss_bytes_per_rank"][0],
         "runs": [dict(single, cp_size=1, threads_per_rank=1)]
-        + ([dict(equal, cp_size=1, threads_per_rank=cp.cp_size)] if equal else [])
-        + [dict(ranks, cp_size=cp.cp_size, threads_per_rank=1)],
+        + ([dict(equal, cp_size=1, threads_per_rank=cp_size)] if equal else [])
+        + [dict(ranks, cp_size=cp_size, threads_per_rank=1)],
     }
+
+
+def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | None]) -> dict:
+    """One prompt length: the served path's numbers at the top, the unchunked batch under `one_batch`."""
+    single, equal, ranks = configs
+
+    def runs(path: str) -> tuple:
+        return single["paths"][path][length], equal["paths"][path][length] if equal else None, ranks["paths"][path][length]
+
+    entry = {"prompt_len": length, "cp_size": cp.cp_size, **path_entry(cp.cp_size, *runs("served"))}
+    entry["modeled_causal_work_imbalance"] = modeled_imbalance(length, cp.cp_size, cp.impl)
+    entry["formula_kv_bytes_per_rank"] = formula_kv_bytes(hf_config, cp.cp_size, length, args.dtype)
+    entry["one_batch"] = path_entry(cp.cp_size, *runs("one_batch"))
     return entry
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    from cluster.config import ResolvedCPConfig
-    from cluster.commands.args import resolve_cp_args
+    from cluster.config import ResolvedCPConfig, resolve_cp_settings
     from cluster.launch import engine_cpus, ray_session
     from model_workers.checkpoint.model_dir import resolve_model_dir
 
@@ -143,7 +134,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         from cluster.bench.plot import require_matplotlib
         require_matplotlib()
     model_dir: Path = resolve_model_dir(args.model)
-    cp = resolve_cp_args(args, model_dir)
+    cp = resolve_cp_settings(args, model_dir)
     hf_config = json.loads((model_dir / "config.json").read_text())
     generator = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, hf_config["vocab_size"], (n,), generator=generator).tolist() for n in lengths}
@@ -152,16 +143,15 @@ def run_prefill(args: argparse.Namespace) -> int:
         single = run_config(model_dir, single_cp, 1, prompts, args)
         equal = None if args.skip_equal_cores or cp.cp_size == 1 else run_config(model_dir, single_cp, cp.cp_size, prompts, args)
         ranks = run_config(model_dir, cp, 1, prompts, args)
-    entries = [length_entry(n, cp, hf_config, args, single["runs"][n], equal["runs"][n] if equal else None,
-                            ranks["runs"][n]) for n in lengths]
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
         "model": str(model_dir), "dtype": args.dtype, "device": args.device, "cpu_count": os.cpu_count(),
         "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "repeats": args.repeats,
+        "prefill_chunk_tokens": ranks["prefill_chunk_tokens"], "paths": PATHS,
         "kv_gather_formula": KV_GATHER_FORMULA, "kv_token_formula": KV_TOKEN_FORMULA,
         "measured_kv_bytes_per_token": ranks["kv_bytes_per_token"],
         "formula_kv_bytes_per_token": kv_bytes_per_token_formula(hf_config, args.dtype),
-        "lengths": entries,
+        "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks]) for n in lengths],
     }
     emit(result, args)
     return 0
@@ -175,6 +165,9 @@ def emit(result: dict, args: argparse.Namespace) -> None:
         print(json.dumps(result))
         return
     for e in result["lengths"]:
-        print(f"L={e['prompt_len']}: C=1 {e['c1_wall_s']:.2f}s, C={e['cp_size']} {e['cp_wall_s']:.2f}s, strong-scaling"
-              f" efficiency {e['strong_scaling_efficiency']:.3f}, KV bytes/rank {e['measured_kv_bytes_per_rank']}"
-              f" (formula {e['formula_kv_bytes_per_rank']:.0f}), peak RSS/rank {max(e['peak_rss_bytes_per_rank']) / 2**30:.2f} GiB")
+        one = e["one_batch"]
+        print(f"L={e['prompt_len']}: C=1 {e['c1_wall_s']:.2f}s, C={e['cp_size']} {e['cp_wall_s']:.2f}s in {e['chunks']}"
+              f" chunk(s), strong-scaling efficiency {e['strong_scaling_efficiency']:.3f} (one batch: C=1"
+              f" {one['c1_wall_s']:.2f}s, C={e['cp_size']} {one['cp_wall_s']:.2f}s, {one['strong_scaling_efficiency']:.3f}),"
+              f" KV bytes/rank {e['measured_kv_bytes_per_rank']} (formula {e['formula_kv_bytes_per_rank']:.0f}),"
+              f" peak RSS/rank {max(e['peak_rss_bytes_per_rank']) / 2**30:.2f} GiB")

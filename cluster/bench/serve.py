@@ -23,12 +23,23 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.decode import PROMPTS, spelled_command
-from cluster.bench.serve_report import DEFINITIONS, assemble_run, machine, plot, summary_text  # plot: bench_plot "serve"
-from cluster.commands.args import (add_cp_arguments, add_device_argument, add_dtype_argument, add_speculative_argument,
-                                   int_list)
-from cluster.config import check_speculative_steps
+from cluster.bench.common import PROMPTS, spelled_command
+from cluster.bench.serve_report import (  # plot: bench_plot "serve"
+    DEFINITIONS,
+    assemble_run,
+    machine,
+    plot,
+    summary_text,
+)
+from cluster.commands.args import (
+    add_cp_arguments,
+    add_device_argument,
+    add_dtype_argument,
+    add_speculative_argument,
+    int_list,
+)
 from cluster.commands.serve import add_placement_argument
+from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
 
 READY_TIMEOUT_S = 300
@@ -88,8 +99,8 @@ def check_plot_path(path: str) -> None:
 
 def build_prompts(model_dir: Path, prompt_len: int) -> list[tuple[str | list[int], list[int]]]:
     """(what the HTTP request sends, the token ids) per prompt: code prompts as text, else random token ids."""
-    from model_workers.model.config import load_model_config
     from model_workers.checkpoint.tokenizer import encode, load_tokenizer
+    from model_workers.model.config import load_model_config
 
     tokenizer = load_tokenizer(model_dir)
     if prompt_len == 0 and tokenizer is not None:
@@ -159,8 +170,8 @@ async def http_levels(url: str, headers: dict, prompts: list, plan: dict[int, in
 def in_process_levels(model_dir: Path, cp, settings, prompts: list, plan: dict[int, int], args) -> dict[int, dict]:
     from cluster.bench.load import closed_loop, engine_request, summarize
     from cluster.engine_setup import start_engine
-    from cp_router.protocol import EngineRequest
     from cluster.serve_app import engine_options
+    from cp_router.protocol import EngineRequest
 
     engine, group = start_engine(model_dir, cp, engine_options(settings))
     ids = iter(range(1 << 62))
@@ -226,16 +237,15 @@ def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], ht
 
 
 def run(args: argparse.Namespace) -> int:
-    from model_workers.checkpoint.model_dir import resolve_model_dir
-
     from cluster.bench.transformers_baseline import run_baseline
-    from cluster.commands.args import resolve_cp_args
     from cluster.commands.serve import app_args
+    from cluster.config import resolve_cp_settings
+    from model_workers.checkpoint.model_dir import resolve_model_dir
 
     levels = check_arguments(args)
     settings = app_args(args)
     model_dir = resolve_model_dir(settings.model)
-    cp = resolve_cp_args(settings, model_dir)
+    cp = resolve_cp_settings(settings, model_dir)
     prompts = build_prompts(model_dir, args.prompt_len)
     plan = {c: args.num_prompts or max(16, 2 * c) for c in levels}
     http, in_process = measure_served(args, model_dir, cp, settings, prompts, plan)

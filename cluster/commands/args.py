@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import get_args
 
-from cluster.config import (CPImplName, CPStrategyName, DeviceName, DTypeName, MAX_SPECULATIVE_STEPS,
-                            ResolvedCPConfig, parse_cp_config, resolve_cp_config)
+from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName
 
 
 def add_cp_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
@@ -44,10 +41,3 @@ def int_list(text: str, flag: str, low: int, high: int) -> list[int]:
     if not all(low <= v <= high for v in values):
         raise ValueError(f"{flag} values must be in {low}..{high}, got {text!r}")
     return values
-
-
-def resolve_cp_args(args: argparse.Namespace, model_dir: Path) -> ResolvedCPConfig:
-    """The CP flags checked against the model's config.json (one-line errors naming the flag's field)."""
-    fields = {"enable_prefill_cp": True, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
-              "cp_impl": args.cp_impl}
-    return resolve_cp_config(parse_cp_config(fields), json.loads((model_dir / "config.json").read_text()))

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.commands.args import (add_cp_arguments, add_device_argument, add_dtype_argument, add_speculative_argument,
-                                   resolve_cp_args)
-from cluster.config import check_speculative_steps
+from cluster.commands.args import add_cp_arguments, add_device_argument, add_dtype_argument, add_speculative_argument
+from cluster.config import check_speculative_steps, resolve_cp_settings
 from cp_router.cp.padding import ceil_div
 from cp_router.protocol import EngineRequest
 
@@ -112,7 +111,7 @@ def run_generate(args: argparse.Namespace, model_dir: Path) -> list[dict]:
     from cluster.launch import engine_cpus, ray_session
     from model_workers.model.config import load_model_config
 
-    cp = resolve_cp_args(args, model_dir) if args.cp_size is not None else None
+    cp = resolve_cp_settings(args, model_dir) if args.cp_size is not None else None
     config = load_model_config(model_dir)
     requests = cli_requests(args, read_prompts(args, model_dir, config.vocab_size))
     k = args.speculative_num_steps

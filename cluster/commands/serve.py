@@ -66,11 +66,10 @@ def wait_for_stop() -> None:
 def run(args: argparse.Namespace) -> int:
     from ray import serve
 
-    from model_workers.checkpoint.model_dir import resolve_model_dir
-
-    from cluster.commands.args import resolve_cp_args
+    from cluster.config import resolve_cp_settings
     from cluster.launch import engine_cpus, start_ray
     from cluster.serve_app import APP_NAME, build_application
+    from model_workers.checkpoint.model_dir import resolve_model_dir
 
     check_arguments(args)
     # Ctrl-C must stop the server even when this process inherited SIGINT as ignored (a parent that
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = app_args(args)
     model_dir = resolve_model_dir(settings.model)
-    resolve_cp_args(settings, model_dir)  # CP flags checked against the model before Ray starts
+    resolve_cp_settings(settings, model_dir)  # CP flags checked against the model before Ray starts
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

@@ -13,9 +13,9 @@ from typing import AsyncIterator, Awaitable, TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from cp_router.protocol import EngineChunk, EngineClient, EngineRequest
 from cluster.http_api.openai_requests import MAX_SEED, ModelLimits, SamplingRequest
 from cluster.http_api.prompt_encoding import EncodedPrompt
+from cp_router.protocol import EngineChunk, EngineClient, EngineRequest
 
 T = TypeVar("T")
 

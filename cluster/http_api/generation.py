@@ -19,11 +19,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from cluster.http_api.choice_streams import PlannedChoice, merge_choice_streams, unless_disconnected
-from cp_router.protocol import EngineChunk, EngineClient
 from cluster.http_api.errors import mark_error, to_api_error
 from cluster.http_api.openai_format import ChoiceState, ResponseFormatter
 from cluster.http_api.openai_responses import SSE_DONE, UsageInfo, sse_data, sse_event
 from cluster.http_api.prompt_encoding import PromptEncoder
+from cp_router.protocol import EngineChunk, EngineClient
 
 logger = logging.getLogger(__name__)
 Events = AsyncIterator[tuple[int, EngineChunk]]

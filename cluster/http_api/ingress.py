@@ -16,18 +16,19 @@ from fastapi import Depends, FastAPI, Request, params
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cluster.http_api.choice_streams import plan_choices
-from cp_router.protocol import EngineClient, ModelInfo, one_line
-from cluster.http_api.generation import Generation, respond_stream, respond_whole
 from cluster.http_api.body import read_json_body
+from cluster.http_api.choice_streams import plan_choices
 from cluster.http_api.errors import APIError, install_error_handlers
+from cluster.http_api.generation import Generation, respond_stream, respond_whole
 from cluster.http_api.middleware import AccessLogMiddleware, ConcurrencyLimitMiddleware, api_key_dependency
-from cp_router.metrics import ServeMetrics, merge_metrics_text
 from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
 from cluster.http_api.openai_requests import ChatCompletionRequest, CompletionRequest, ModelLimits, SamplingRequest
 from cluster.http_api.openai_responses import ModelCard, ModelList
 from cluster.http_api.prompt_encoding import PromptEncoder
 from cluster.serve_settings import IngressSettings
+from cp_router.metrics import ServeMetrics, merge_metrics_text
+from cp_router.protocol import EngineClient, ModelInfo, one_line
+from model_workers.checkpoint.tokenizer import CheckpointText
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -97,12 +98,12 @@ class Ingress:
         return merge_metrics_text([self.metrics.render(), engine_text])
 
 
-def _open_ingress(engine_client: EngineClient, settings: IngressSettings) -> Ingress:
+def _open_ingress(engine_client: EngineClient, settings: IngressSettings, text: CheckpointText | None) -> Ingress:
     if not isinstance(engine_client, EngineClient):
         raise TypeError(f"engine_client: {type(engine_client).__name__} lacks EngineClient methods (generate, abort, "
                         "model_info, metrics_text, check_health)")
     info = engine_client.model_info()
-    encoder = PromptEncoder.from_model_dir(settings.model_dir)
+    encoder = PromptEncoder.from_model_dir(settings.model_dir) if text is None else PromptEncoder.from_text(text)
     if info.has_chat_template and encoder.chat_template is None:
         raise ValueError(f"model_dir: the engine's checkpoint has a chat template but {settings.model_dir!r} has no "
                          "tokenizer_config.json chat_template; point IngressSettings.model_dir at the checkpoint")
@@ -134,10 +135,14 @@ def _add_routes(app: FastAPI, ingress: Ingress, authorized: params.Depends) -> N
         return PlainTextResponse(await ingress.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(engine_client: EngineClient, settings: IngressSettings | None = None) -> FastAPI:
-    """The ingress FastAPI app over `engine_client`; raises ValueError on inconsistent settings."""
+def build_app(engine_client: EngineClient, settings: IngressSettings | None = None,
+              text: CheckpointText | None = None) -> FastAPI:
+    """The ingress FastAPI app over `engine_client`; raises ValueError on inconsistent settings.
+
+    `text`: the checkpoint's tokenizer and chat template when this process has them loaded already (the
+    colocated placement); otherwise they are read from `settings.model_dir`."""
     settings = settings or IngressSettings()
-    ingress = _open_ingress(engine_client, settings)
+    ingress = _open_ingress(engine_client, settings, text)
     app = FastAPI(title="dsa-serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(ConcurrencyLimitMiddleware, paths=GENERATION_PATHS, limit=settings.max_ongoing_requests,

@@ -11,12 +11,25 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from cluster.http_api.choice_streams import PlannedChoice
-from cp_router.protocol import EngineChunk, TokenLogprob
 from cluster.http_api.errors import APIError
-from cluster.http_api.openai_responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
-                               ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-                               CompletionResponse, StreamChunk, TopLogprob, UsageInfo)
+from cluster.http_api.openai_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    StreamChunk,
+    TopLogprob,
+    UsageInfo,
+)
 from cluster.http_api.prompt_encoding import PromptEncoder
+from cp_router.protocol import EngineChunk, TokenLogprob
 
 
 @dataclass(frozen=True)

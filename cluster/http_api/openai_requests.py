@@ -12,8 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from cluster.http_api.errors import bad_request
 

@@ -11,11 +11,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from model_workers.checkpoint.tokenizer import decode, encode, load_tokenizer
-
 from cluster.http_api.chat_template import ChatTemplate
 from cluster.http_api.errors import APIError, bad_request
 from cluster.http_api.openai_requests import ChatMessage, ModelLimits
+from model_workers.checkpoint.tokenizer import CheckpointText, decode, encode, load_checkpoint_text
 
 
 @dataclass(frozen=True)
@@ -30,12 +29,13 @@ class PromptEncoder:
         self.chat_template = chat_template
 
     @classmethod
+    def from_text(cls, text: CheckpointText) -> PromptEncoder:
+        template = None if text.chat_template is None else ChatTemplate(text.chat_template)
+        return cls(text.tokenizer, template)
+
+    @classmethod
     def from_model_dir(cls, model_dir: str | Path | None) -> PromptEncoder:
-        if model_dir is None:
-            return cls(None, None)
-        if not Path(model_dir).is_dir():
-            raise ValueError(f"model_dir: {model_dir} is not a folder")
-        return cls(load_tokenizer(model_dir), ChatTemplate.from_model_dir(model_dir))
+        return cls.from_text(load_checkpoint_text(model_dir))
 
     def _encode_text(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:

@@ -1,7 +1,8 @@
 """CP metadata of one prefill batch: everything a rank needs to run its shard.
 
-Built once per batch by the router (`build_cp_metadata`) and read by every
-rank. Row conventions for a rank's physical shard of
+Built once per batch by the engine's scheduler (`build_cp_metadata`); each rank
+receives only its own slice (`CPMetadata.rank_view` -> `RankMetadata`). Row
+conventions for a rank's physical shard of
 `per_rank_physical_token[cp_rank]` rows: the first `per_rank_logical_token
 [cp_rank]` rows are real tokens in local order, the rest are padding rows at
 the tail. Padding rows are harmless by construction: data zero, position 0,
@@ -21,8 +22,18 @@ from typing import Sequence
 
 import torch
 
-from cp_router.cp.padding import (CP_IMPLS, IMPL_LEGACY, IMPL_V2, DPPaddingMode, ceil_align, ceil_div, dp_padding_mode,
-                                  pad_local_rows, physical_token_counts, split_rows)
+from cp_router.cp.padding import (
+    CP_IMPLS,
+    IMPL_LEGACY,
+    IMPL_V2,
+    DPPaddingMode,
+    ceil_align,
+    ceil_div,
+    dp_padding_mode,
+    pad_local_rows,
+    physical_token_counts,
+    split_rows,
+)
 from cp_router.cp.strategies import STRATEGY_INTERLEAVE, CPStrategy, can_split, get_strategy, stream_offsets
 
 
@@ -49,8 +60,41 @@ class CPMetadata:
     request_index_local: tuple[torch.Tensor, ...]  # C x [T_physical] int64 request of each row (padding: -1)
     key_start_local: tuple[torch.Tensor, ...]  # C x [T_physical] int64 causal key range start (padding: 0)
     key_end_local: tuple[torch.Tensor, ...]  # C x [T_physical] int64 causal key range end, excl. (padding: 1)
-    positions_global: torch.Tensor  # [N] int64 global position of each stream token
-    request_index_global: torch.Tensor  # [N] int64 request of each stream token
+    restore_index: torch.Tensor  # [N] int64 row of each stream token in the rank-major gathered buffer
+
+    def rank_view(self, cp_rank: int) -> RankMetadata:
+        """What rank `cp_rank` needs of this batch: its own rows, plus what every rank needs to rerange."""
+        return RankMetadata(
+            cp_size=self.cp_size, cp_rank=cp_rank, strategy=self.strategy, impl=self.impl,
+            extend_lens=self.extend_lens, prefix_lens=self.prefix_lens, num_tokens=self.num_tokens,
+            stream_offsets=self.stream_offsets, collective_rows=self.collective_rows,
+            num_logical=self.per_rank_logical_token[cp_rank], num_physical=self.per_rank_physical_token[cp_rank],
+            positions_local=self.positions_local[cp_rank], request_index_local=self.request_index_local[cp_rank],
+            restore_index=self.restore_index,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class RankMetadata:
+    """One rank's slice of a batch's `CPMetadata` (what a `StepPlan` carries); row conventions as above.
+
+    `cp_rank` is the shard this rank runs: its CP rank, or 0 on the non-CP path (`cp_size == 1`), whichever
+    worker runs it.
+    """
+
+    cp_size: int
+    cp_rank: int
+    strategy: str
+    impl: str
+    extend_lens: tuple[int, ...]  # [R]
+    prefix_lens: tuple[int, ...]  # [R]
+    num_tokens: int  # N
+    stream_offsets: tuple[int, ...]  # [R + 1]
+    collective_rows: int  # rows this rank passes to every all-gather, equal on all ranks
+    num_logical: int  # real rows of this rank's shard
+    num_physical: int  # rows of this rank's shard, tail padding included
+    positions_local: torch.Tensor  # [T_physical] int64 global position (padding: 0)
+    request_index_local: torch.Tensor  # [T_physical] int64 request of each row (padding: -1)
     restore_index: torch.Tensor  # [N] int64 row of each stream token in the rank-major gathered buffer
 
 
@@ -148,8 +192,6 @@ def build_cp_metadata(
         request_index_local=_per_rank(request_index_global, local_to_global, physical, -1),
         key_start_local=_per_rank(key_start_global, local_to_global, physical, 0),
         key_end_local=_per_rank(key_end_global, local_to_global, physical, 1),
-        positions_global=positions_global,
-        request_index_global=request_index_global,
         restore_index=_restore_index(local_to_global, sum(extend_lens), collective_rows),
     )
 

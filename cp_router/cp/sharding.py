@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_router.cp.metadata import CPMetadata
+from cp_router.cp.metadata import CPMetadata, RankMetadata
 from cp_router.cp.padding import split_rows
 
 
@@ -26,7 +26,7 @@ def shard_positions(meta: CPMetadata, cp_rank: int) -> torch.Tensor:
     return meta.positions_local[cp_rank]
 
 
-def gather_rerange(meta: CPMetadata, gathered: torch.Tensor) -> torch.Tensor:
+def gather_rerange(meta: CPMetadata | RankMetadata, gathered: torch.Tensor) -> torch.Tensor:
     """[cp_size * collective_rows, ...] rank-major all-gather buffer -> [N, ...] in global stream order.
 
     `gathered` is what `all_gather_into_tensor` returns when every rank passes

@@ -125,3 +125,8 @@ def can_split(extend_lens: Sequence[int], cp_size: int, strategy: str) -> bool:
     A batch that cannot be split runs without CP and without padding.
     """
     return sum(extend_lens) >= get_strategy(strategy).align(cp_size)
+
+
+def cp_alignment(strategy: str, cp_size: int) -> int:
+    """The CP alignment of a group: the strategy's `align` (2C zigzag, C interleave) under CP, 1 without."""
+    return get_strategy(strategy).align(cp_size) if cp_size > 1 else 1

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from cp_router.cp.metadata import CPMetadata
+from cp_router.cp.metadata import RankMetadata
 from cp_router.cp.padding import pad_local_rows
 from cp_router.cp.sharding import gather_rerange
-
+from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
 from model_workers.comm import LocalComm
 from model_workers.kv_cache import PagedKVCache
-from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
 
 
 def gather_rows_global(
-    comm: LocalComm, meta: CPMetadata, x_local: torch.Tensor, tag: str, fill_value: int | float = 0
+    comm: LocalComm, meta: RankMetadata, x_local: torch.Tensor, tag: str, fill_value: int | float = 0
 ) -> torch.Tensor:
     """[T_logical, ...] rows of this rank -> [N, ...] rows of every rank in global stream order."""
     x_padded = pad_local_rows(x_local, meta.collective_rows, fill_value)  # [P, ...], P equal on all ranks
@@ -35,13 +34,13 @@ class CPBackend(TorchBackend):
 
     def __init__(self, cache: PagedKVCache):
         super().__init__(cache)
-        self.meta: CPMetadata | None = None
+        self.meta: RankMetadata | None = None
         self.comm: LocalComm | None = None
         self.keep_topk_layers: frozenset[int] = frozenset()
         self.kept_topk: dict[int, torch.Tensor] = {}
 
     def bind_shard(
-        self, batch: ForwardBatch, meta: CPMetadata, comm: LocalComm, keep_topk_layers: frozenset[int] = frozenset()
+        self, batch: ForwardBatch, meta: RankMetadata, comm: LocalComm, keep_topk_layers: frozenset[int] = frozenset()
     ) -> "CPBackend":
         """`keep_topk_layers`: layers whose top-k slots [T_local, k] are kept in `kept_topk` after the forward."""
         if meta.cp_size != comm.cp_size:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from model_workers.kv_cache import PageTable
 from model_workers.backends.torch_backend import TorchBackend
+from model_workers.kv_cache import PageTable
 
 
 def position_slots(table: PageTable, positions: torch.Tensor, page_size: int) -> torch.Tensor:

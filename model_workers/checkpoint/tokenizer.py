@@ -1,10 +1,34 @@
-"""Tokenizer loading: a checkpoint's `tokenizer.json` through the `tokenizers` library (no network)."""
+"""The text side of a checkpoint folder, read in one place: `tokenizer.json` and the chat template source.
+
+`load_checkpoint_text` is what a process calls once: the tokenizer (through the `tokenizers` library, no
+network) and the chat template as text with the special tokens it sees (compiling and rendering it is the
+HTTP layer's job). Either may be absent: a folder without tokenizer.json serves token ids only.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass(frozen=True)
+class ChatTemplateSource:
+    """tokenizer_config.json's `chat_template` (the "default" one of a list) and its special tokens as text."""
+
+    source: str
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointText:
+    tokenizer: Tokenizer | None
+    chat_template: ChatTemplateSource | None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
@@ -18,3 +42,42 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _token_text(value: Any) -> str:
+    """tokenizer_config.json stores special tokens as text or as {"content": text, ...}."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+def _default_template(source: Any, path: Path) -> str:
+    """`chat_template` is a string, or a list of {"name", "template"} of which "default" is used."""
+    if isinstance(source, str):
+        return source
+    if isinstance(source, list):
+        for entry in source:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                return str(entry["template"])
+    raise ValueError(f"{path}: chat_template must be a string or a list with a 'default' entry")
+
+
+def read_chat_template(model_dir: str | Path) -> ChatTemplateSource | None:
+    """The chat template of `model_dir/tokenizer_config.json`, or None when it has none."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("chat_template") is None:
+        return None
+    special = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
+    return ChatTemplateSource(_default_template(config["chat_template"], path), special)
+
+
+def load_checkpoint_text(model_dir: str | Path | None) -> CheckpointText:
+    """Tokenizer and chat template of a checkpoint folder (None: a server of token-id prompts only)."""
+    if model_dir is None:
+        return CheckpointText(None, None)
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model_dir: {model_dir} is not a folder")
+    return CheckpointText(load_tokenizer(model_dir), read_chat_template(model_dir))

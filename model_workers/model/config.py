@@ -85,15 +85,6 @@ class ModelConfig:
         """GLM's indexer rotates interleaved pairs; DeepSeek-V3.2's uses the half-split layout."""
         return self.model_type == "glm_moe_dsa"
 
-    @property
-    def num_cache_layers(self) -> int:
-        """Target layers plus the MTP layers (each has its own KV cache)."""
-        return self.num_hidden_layers + self.num_nextn_predict_layers
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        per_layer = self.latent_dim + self.index_head_dim
-        return self.num_cache_layers * per_layer * dtype_bytes
-
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"

@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model_workers.kv_cache import PageTable
 from model_workers.checkpoint.loader import load_model
-from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.checkpoint.tokenizer import load_tokenizer
+from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.training.corpus import HELD_OUT_EVERY, stdlib_files, token_stream
 
 CARD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -30,17 +29,14 @@ def file_hashes(model_dir: Path) -> dict[str, str]:
 @torch.inference_mode()
 def window_metrics(runner: ModelRunner, window: list[int]) -> dict[str, torch.Tensor]:
     """Per-position outcomes for one window of held-out tokens (S tokens in, S-3 positions scored)."""
-    model, table = runner.model, PageTable()
-    try:
-        hidden = runner.extend([ExtendItem(table, window[:-1])])  # [S-1, hidden] for t_0..t_{S-2}
-        logits = model.logits(hidden)
-        greedy = logits.argmax(-1)  # target's choice for token i+1
-        mtp_hidden = runner.extend_mtp([ExtendItem(table, window[1:])], hidden, [0])
-        draft1 = model.mtp_logits(mtp_hidden).argmax(-1)  # MTP's guess for token i+2
-        forced = runner.extend_mtp([ExtendItem(table, window[2:])], mtp_hidden[:-1], [0])
-        chained = runner.extend_mtp([ExtendItem(table, draft1[:-1].tolist())], mtp_hidden[:-1], [0])
-    finally:
-        runner.release(table)
+    model, (table,) = runner.model, runner.standalone_tables([len(window)])
+    hidden = runner.extend([ExtendItem(table, window[:-1])])  # [S-1, hidden] for t_0..t_{S-2}
+    logits = model.logits(hidden)
+    greedy = logits.argmax(-1)  # target's choice for token i+1
+    mtp_hidden = runner.extend_mtp([ExtendItem(table, window[1:])], hidden, [0])
+    draft1 = model.mtp_logits(mtp_hidden).argmax(-1)  # MTP's guess for token i+2
+    forced = runner.extend_mtp([ExtendItem(table, window[2:])], mtp_hidden[:-1], [0])
+    chained = runner.extend_mtp([ExtendItem(table, draft1[:-1].tolist())], mtp_hidden[:-1], [0])
     n = len(window) - 3
     targets = torch.tensor(window[1:])
     return {

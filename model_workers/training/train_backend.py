@@ -23,9 +23,6 @@ class TrainingBackend:
         positions = torch.arange(seq_len)
         self.future = positions[None, :] > positions[:, None]  # [S, S] True where key is after query
 
-    def reset_losses(self) -> None:
-        self.kl_losses = []
-
     def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
         self.latent[layer_id] = latent  # [B*S, C + R]
         if index_key is not None:

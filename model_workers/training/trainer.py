@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from model_workers.checkpoint.saver import init_weights, save_checkpoint
 from model_workers.model.config import parse_model_config
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.model.layers import MoEGate
-from model_workers.checkpoint.saver import init_weights, save_checkpoint
 from model_workers.training.corpus import EOS_TOKEN, save_tokenizer, stdlib_files, token_stream, train_tokenizer
 from model_workers.training.recipe import Recipe, batch_losses, sample_windows, tiny_config_json
 

@@ -12,19 +12,27 @@ import sys
 
 import httpx
 import pytest
-from support.engines import local_engine
-from support.http_fakes import FakeEngine, write_checkpoint_files
 
-from cluster.bench.load import (RequestTiming, apply_sse_line, closed_loop, completion_body, engine_request,
-                                http_request, percentiles, summarize)
+from cluster.bench.load import (
+    RequestTiming,
+    apply_sse_line,
+    closed_loop,
+    completion_body,
+    engine_request,
+    http_request,
+    percentiles,
+    summarize,
+)
 from cluster.bench.serve_report import assemble_run, plot, summary_text
 from cluster.bench.transformers_baseline import run_baseline
 from cluster.cli import main as cli_main
 from cluster.engine_setup import EngineOptions
-from cp_router.protocol import EngineRequest
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
+from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.model_dir import resolve_model_dir
+from support.engines import local_engine
+from support.http_fakes import FakeEngine, write_checkpoint_files
 
 
 def test_percentiles_interpolate_between_ranks_and_handle_no_values():

@@ -19,7 +19,7 @@ def commands(reference_checkpoint):
     cli = [sys.executable, "-m", "cluster.cli"]
     generate = cli + ["generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)),
                       "--max-tokens", "10", "--cp-size", "2", "--cp-strategy", "interleave", "--json"]
-    bench = cli + ["bench", "prefill", "--model", str(folder), "--cp-size", "2", "--prompt-len", "64,96",
+    bench = cli + ["bench", "prefill", "--model", str(folder), "--cp-size", "2", "--prompt-len", "64,2100",
                    "--dtype", "float32", "--repeats", "1", "--json"]
     running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in (generate, bench)]
     outputs = []
@@ -43,7 +43,15 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
     per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"] + config["index_head_dim"]) * 4
     assert bench["formula_kv_bytes_per_token"] == 4 * per_token  # 3 target layers + 1 MTP layer
     assert bench["measured_kv_bytes_per_token"] == bench["formula_kv_bytes_per_token"]
-    assert [e["prompt_len"] for e in bench["lengths"]] == [64, 96]
+    assert [e["prompt_len"] for e in bench["lengths"]] == [64, 2100]
+    assert bench["prefill_chunk_tokens"] == 2048 and set(bench["paths"]) == {"served", "one_batch"}
+    for entry in bench["lengths"]:  # the served path chunks as `serve` does; one batch is one step
+        chunks = -(-entry["prompt_len"] // 2048)
+        assert entry["chunks"] == chunks and [r["chunks"] for r in entry["runs"]] == [chunks] * 3
+        assert entry["one_batch"]["chunks"] == 1 and [r["chunks"] for r in entry["one_batch"]["runs"]] == [1] * 3
+        assert entry["one_batch"]["measured_kv_bytes_per_rank"] == entry["formula_kv_bytes_per_rank"]
+        assert entry["one_batch"]["strong_scaling_efficiency"] == pytest.approx(
+            entry["one_batch"]["c1_wall_s"] / (2 * entry["one_batch"]["cp_wall_s"]))
     for entry in bench["lengths"]:
         single, equal, ranks = entry["runs"]
         assert (single["cp_size_used"], equal["cp_size_used"], ranks["cp_size_used"]) == (1, 1, 2)
@@ -54,7 +62,9 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
         assert single["kv_comm_bytes_per_rank"] == [0]
         assert entry["strong_scaling_efficiency"] == pytest.approx(single["wall_s"] / (2 * ranks["wall_s"]))
         assert entry["equal_cores_ratio"] == pytest.approx(equal["wall_s"] / ranks["wall_s"])
-        assert all(t > 0 for t in entry["per_rank_compute_s"]) and entry["compute_imbalance_max_over_mean"] >= 1
+        compute = entry["per_rank_compute_s"]
+        assert all(t > 0 for t in compute)
+        assert entry["compute_imbalance_max_over_mean"] == pytest.approx(max(compute) / (sum(compute) / len(compute)))
         modeled = entry["modeled_causal_work_imbalance"]
         assert modeled["zigzag"] < modeled["contiguous"] and modeled["interleave"] < modeled["contiguous"]
         for phases in entry["per_rank_phase_s"]:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cp_router.metrics import METRIC_SPECS, PREFIX, exposed_sample_names
 from cluster.serve_settings import ServeAppArgs
+from cp_router.metrics import METRIC_SPECS, PREFIX, exposed_sample_names
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -5,6 +5,7 @@ zigzag: max - min <= 2L; interleave: <= L; a contiguous split: about L^2 / C.
 """
 
 import pytest
+
 from cp_router.cp import CP_IMPLS, build_cp_metadata, can_split
 from cp_router.cp.balance import causal_work_per_rank as rank_work
 from cp_router.cp.balance import contiguous_causal_work as contiguous_work

@@ -1,18 +1,18 @@
 """The engine over a real C = 2 CP group (local Ray + gloo, one group for the module): lossless speculation
 with CP prefill and chunked prefill, continuous batching with preemption, pages back to the start count."""
 
+import asyncio
+
 import pytest
 import ray
-from support.engines import local_engine, make_requests
 
 from cluster.config import ResolvedCPConfig
-from cp_router.engine import DSAEngine
-from cluster.engine_setup import EngineOptions, run_all, scheduler_for
-from cp_router.protocol import ModelInfo
-from cluster.launch import engine_cpus, launch_engine, start_ray
+from cluster.engine_setup import EngineOptions, engine_over_workers, run_all
+from cluster.launch import engine_cpus, launch_group, start_ray
+from cp_router.engine import GenerationEngine
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.model.config import load_model_config
-from model_workers.checkpoint.tokenizer import load_tokenizer
+from support.engines import local_engine, make_requests
 
 CP = ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
 NUM_PAGES, PAGE_SIZE, BUDGET = 96, 8, 24
@@ -20,23 +20,22 @@ NUM_PAGES, PAGE_SIZE, BUDGET = 96, 8, 24
 
 class Group:
     def __init__(self, folder):
-        self.launched = launch_engine(folder, CP, "float32", NUM_PAGES, PAGE_SIZE)
+        self.launched = launch_group(folder, CP, "float32", NUM_PAGES, PAGE_SIZE)
         self.folder = folder
 
-    def engine(self, folder, k: int, num_pages: int = NUM_PAGES) -> DSAEngine:
-        """An engine over the group's workers (checkpoint reloaded when another is asked)."""
+    def engine(self, folder, k: int, num_pages: int = NUM_PAGES) -> GenerationEngine:
+        """An engine over the group's workers (checkpoint reloaded when another is asked); its scheduler may
+        use fewer pages than the ranks' caches hold."""
         if folder != self.folder:
             ray.get([w.load.remote(str(folder), "float32", NUM_PAGES, PAGE_SIZE) for w in self.launched.workers])
             self.folder = folder
         options = EngineOptions(num_speculative_steps=k, num_pages=num_pages, page_size=PAGE_SIZE,
                                 prefill_token_budget=BUDGET)
-        config = load_model_config(folder)
-        info = ModelInfo("test", config.vocab_size, config.max_position_embeddings, False)
-        return DSAEngine(self.launched.workers, scheduler_for(CP, options, config.eos_token_ids),
-                         load_tokenizer(folder), info)
+        return engine_over_workers(folder, CP, options, self.launched.workers)
 
-    def free_pages(self) -> list[int]:
-        return ray.get([w.free_pages.remote() for w in self.launched.workers])
+    def held(self) -> list[list[str]]:
+        """The requests whose state each rank still keeps."""
+        return ray.get([w.held_requests.remote() for w in self.launched.workers])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,9 @@ def test_greedy_speculation_equals_plain_decoding_on_cp2(group, models, model):
         assert engine.stats.drafted > 0 and engine.stats.accepted < engine.stats.drafted
         if model == "default":
             assert engine.stats.accepted > 0
-    assert group.free_pages() == [NUM_PAGES, NUM_PAGES]
+        assert engine.free_pages == [NUM_PAGES, NUM_PAGES]
+        asyncio.run(engine.drain())
+        assert group.held() == [[], []]
     alone = run_all(local_engine(models[model], EngineOptions(num_pages=64, page_size=PAGE_SIZE)), requests)
     assert [r["token_ids"] for r in plain] == [r["token_ids"] for r in alone]  # CP prefill: same tokens as C = 1
 
@@ -78,5 +79,7 @@ def test_concurrent_requests_with_preemption_on_cp2(group, models):
     alone = [run_all(lone, [req])[0]["token_ids"] for req in requests]
     engine = group.engine(folder, 2, num_pages=12)  # 96 token slots per rank: preemption
     assert [r["token_ids"] for r in run_all(engine, requests)] == alone
-    assert engine.stats.preemptions > 0 and not engine.scheduler.sequences
-    assert group.free_pages() == [NUM_PAGES, NUM_PAGES]
+    assert engine.stats.preemptions > 0 and not engine.scheduler.requests
+    assert engine.free_pages == [12, 12]
+    asyncio.run(engine.drain())
+    assert group.held() == [[], []]

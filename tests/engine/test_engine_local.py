@@ -6,12 +6,12 @@ import json
 import shutil
 
 import pytest
-from support.engines import local_engine, make_requests
 
 from cluster.engine_setup import EngineOptions, collect, run_all
 from cp_router.protocol import EngineRequest
-from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.backends.shared_topk import SharedTopkBackend
+from model_workers.checkpoint.model_dir import resolve_model_dir
+from support.engines import local_engine, make_requests
 
 PAGE_SIZE = 8
 BUDGET = 32  # prefill tokens per step: prompts of 33+ tokens are chunked
@@ -81,7 +81,7 @@ def test_64_concurrent_requests_match_their_runs_alone(default_model):
     requests, expected = with_stops(requests, alone)
     engine = local_engine(default_model, options(2))
     check_same_as_alone(run_all(engine, requests), alone, expected, requests)
-    assert engine.free_pages == [128] and not engine.scheduler.sequences
+    assert engine.free_pages == [128] and not engine.scheduler.requests
     small = local_engine(default_model, options(2, num_pages=14))  # 112 token slots: forces preemption
     check_same_as_alone(run_all(small, requests), alone, expected, requests)
     assert small.stats.preemptions > 0 and small.free_pages == [14]

@@ -1,11 +1,13 @@
-"""The page allocator never leaks and never hands out a page twice (property test)."""
+"""The page allocator (the scheduler's, one per rank) never leaks and never hands out a page twice (property
+test); a request's pages grow and trim with its token count; a rank's cache refuses a table too small."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_workers.kv_cache import OutOfPages, PageAllocator, PagedKVCache, PageTable
+from cp_router.pages import OutOfPages, PageAllocator
+from model_workers.kv_cache import PagedKVCache, PageTable
 
 operations = st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 12)), max_size=60)
 
@@ -42,14 +44,22 @@ def test_double_free_is_an_error():
         allocator.free(pages)
 
 
-def test_page_table_grows_truncates_and_releases():
+def test_request_pages_grow_trim_and_free_and_the_cache_checks_a_table_has_room():
+    allocator = PageAllocator(8)
+    pages: list[int] = []
+    allocator.grow(pages, 9, page_size=4)  # 3 pages
+    assert len(pages) == 3 and allocator.num_free == 5
+    table = PageTable(pages, 9)
+    assert table.slots(0, 9, 4).tolist() == [p * 4 + o for p in pages for o in range(4)][:9]
+    allocator.grow(pages, 9, page_size=4)  # already enough: nothing new
+    assert len(pages) == 3 and allocator.num_free == 5
+    allocator.trim(pages, 5, page_size=4)  # positions 0..4 stay: 2 pages
+    assert len(pages) == 2 and allocator.num_free == 6
     cache = PagedKVCache(8, 4, latent_dim=6, index_dim=4, indexed_layers=[True, False], dtype=torch.float32)
-    table = PageTable()
-    cache.reserve(table, 9)  # 3 pages
-    assert len(table.pages) == 3 and cache.allocator.num_free == 5
-    assert table.slots(0, 9, 4).tolist() == [p * 4 + o for p in table.pages for o in range(4)][:9]
-    table.num_tokens = 9
-    cache.truncate(table, 5)  # positions 0..4 stay: 2 pages
-    assert len(table.pages) == 2 and table.num_tokens == 5 and cache.allocator.num_free == 6
-    cache.release(table)
-    assert cache.allocator.num_free == 8 and table.pages == []
+    cache.check_room(PageTable(pages, 0), 8)
+    with pytest.raises(ValueError, match="holds fewer than the 9 positions"):
+        cache.check_room(PageTable(pages, 0), 9)
+    with pytest.raises(ValueError, match="outside this cache"):
+        cache.check_room(PageTable([8], 0), 1)
+    allocator.trim(pages, 0, page_size=4)
+    assert allocator.num_free == 8 and pages == []

@@ -1,15 +1,17 @@
 """The scheduler alone (no model, no Ray): FCFS under token and page budgets, chunking with CP-sized pieces,
-owners, lockstep plans, preempt-newest with recompute, frees on abort."""
+owners, lockstep plans, the one page allocator per rank (tables in the plans, frees on abort / final chunk /
+rollback), preempt-newest with recompute, the stop rule."""
 
 import pytest
 
-from cp_router.plans import RequestOutput, SamplingParams
+from cp_router.plans import RequestOutput
+from cp_router.sampling import SamplingParams
 from cp_router.scheduler import Scheduler, SchedulerConfig
 from cp_router.scheduler_prefill import chunk_len
 
 
 def scheduler(num_pages: int = 32, cp_size: int = 2, k: int = 0, budget: int = 16) -> Scheduler:
-    return Scheduler(SchedulerConfig(cp_size, num_pages, 4, budget, "zigzag", "legacy", k, 4, (0,)))
+    return Scheduler(SchedulerConfig(cp_size, num_pages, 4, budget, "zigzag", "legacy", k, 4))
 
 
 def outputs_for(step, token: int = 7, count: int = 1) -> dict:
@@ -42,7 +44,10 @@ def test_a_long_prompt_is_prefilled_in_cp_chunks_with_prefix_offsets():
         assert set(step.plans) == {0, 1} and shard.meta.cp_size == 2  # every chunk runs with CP
         prefixes.append((shard.meta.prefix_lens[0], shard.meta.extend_lens[0], shard.requests[0].final_chunk))
     assert prefixes == [(0, 16, False), (16, 16, False), (32, 8, True)]
-    assert s.sequences["long"].output_ids == [7] and s.sequences["long"].kv_tokens == {0: 40}
+    assert [len(table) for table in shard.page_tables] == [10]  # 40 tokens / page_size 4, on every rank
+    seq = s.requests["long"]
+    assert seq.output_ids == [7] and seq.num_cached == 40 and {r: len(p) for r, p in seq.pages.items()} == {0: 10}
+    assert s.free_pages() == [32 - 10, 32]  # the final chunk freed the non-owner's copy
 
 
 def test_owners_are_the_least_loaded_ranks_and_decode_plans_are_per_owner():
@@ -78,31 +83,42 @@ def test_kv_exhaustion_preempts_the_newest_and_recomputes_it():
     run_step(s)  # both prefilled on rank 0: 3 + 3 pages
     step = s.schedule()
     assert step.preempted == ["new"] and step.plans[0].free == ("new",)
-    assert list(s.waiting) == ["new"] and s.sequences["new"].num_generated_at_prefill == 1
+    assert list(s.waiting) == ["new"] and s.requests["new"].num_generated_at_prefill == 1
+    assert s.requests["new"].pages == {} and s.free_pages() == [6 - 4]  # old: 3 pages, + 1 to decode into
     assert [i.request_id for i in step.plans[0].decode] == ["old"]
-    assert s.sequences["new"].context_ids() == list(range(1, 13)) + [7]
+    assert s.requests["new"].context_ids() == list(range(1, 13)) + [7]
 
 
 def test_finish_frees_on_every_rank_holding_kv_and_requests_that_cannot_fit_are_refused():
     s = scheduler()
     s.add("a", list(range(1, 30)), SamplingParams(max_tokens=4))
     run_step(s)  # first chunk: pages on both ranks
+    assert s.free_pages() == [28, 28]
+    s_owner = s.requests["a"].owner
     s.finish("a")
     step = s.schedule()
-    assert {r: p.free for r, p in step.plans.items()} == {0: ("a",), 1: ("a",)} and not s.has_work()
+    assert s.free_pages() == [32, 32]  # freed at once on both ranks that held the chunk
+    assert {r: p.free for r, p in step.plans.items()} == {s_owner: ("a",)} and not s.has_work()
     with pytest.raises(ValueError, match="needs 34 KV pages; a rank has 32"):
         s.add("big", list(range(1, 130)), SamplingParams(max_tokens=4))
 
 
 def test_stop_ids_respect_min_tokens():
-    s = scheduler(cp_size=1)
-    s.add("x", [1, 2], SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(9,)))
-    seq = s.sequences["x"]
-    seq.output_ids = [9]
-    assert seq.finish_reason((0,)) is None
-    seq.output_ids = [3, 9]  # output number 1 < min_tokens: the sampler never emits it; not a stop here
-    assert seq.finish_reason((0,)) is None
-    seq.output_ids = [3, 4, 9]
-    assert seq.finish_reason((0,)) == "stop"
-    seq.output_ids = [3, 4, 5, 6, 0]
-    assert seq.finish_reason((0,)) == "stop"
+    params = SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(9,))
+    assert params.finish_reason(9, 1, (0,)) is None  # output 1 <= min_tokens: not a stop
+    assert params.finish_reason(9, 2, (0,)) is None
+    assert params.finish_reason(9, 3, (0,)) == "stop"
+    assert params.finish_reason(0, 5, (0,)) == "stop"  # EOS wins over length at the last token
+    assert params.finish_reason(4, 5, (0,)) == "length"
+    assert SamplingParams(max_tokens=5, ignore_eos=True).finish_reason(0, 3, (0,)) is None
+
+
+def test_decode_plans_carry_room_for_the_call_and_rollback_trims_it():
+    s = scheduler(num_pages=32, cp_size=1, k=2, budget=32)
+    s.add("x", list(range(1, 11)), SamplingParams(max_tokens=20))  # 10 tokens: 3 pages
+    run_step(s)
+    step = s.schedule()  # 4 steps x (k + 1) = 12 more positions: pages for 10 + 12 = 22 tokens
+    (item,) = step.plans[0].decode
+    assert (item.num_cached, len(item.pages)) == (10, 6) and s.free_pages() == [32 - 6]
+    s.apply(step, {"x": RequestOutput("x", 7, token_ids=[7, 7, 7])})  # 3 tokens accepted in all
+    assert s.requests["x"].num_cached == 13 and len(s.requests["x"].pages[0]) == 4 and s.free_pages() == [28]

@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from support.http_fakes import MAX_MODEL_LEN, VOCAB_SIZE, FakeEngine, fake_token, write_checkpoint_files
 
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
+from support.http_fakes import MAX_MODEL_LEN, VOCAB_SIZE, FakeEngine, fake_token, write_checkpoint_files
 
 
 @pytest.fixture(scope="module")

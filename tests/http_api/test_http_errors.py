@@ -7,10 +7,10 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from support.http_fakes import MAX_MODEL_LEN, VOCAB_SIZE, FakeEngine, write_checkpoint_files
 
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
+from support.http_fakes import MAX_MODEL_LEN, VOCAB_SIZE, FakeEngine, write_checkpoint_files
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -11,11 +11,11 @@ from dataclasses import replace
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from support.http_fakes import INFO, FakeEngine, call_and_disconnect, write_checkpoint_files
 
-from cluster.http_api.middleware import route_path
 from cluster.http_api.ingress import build_app
+from cluster.http_api.middleware import route_path
 from cluster.serve_settings import IngressSettings
+from support.http_fakes import INFO, FakeEngine, call_and_disconnect, write_checkpoint_files
 
 KV_IDLE = 'dsa_serve:kv_pages_used{cp_rank="0",replica="engine-0"} 0.0'
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cp_router.protocol import EngineChunk
 from cp_router.metrics import METRIC_SPECS, PREFIX, ServeMetrics, exposed_sample_names, merge_metrics_text, track_stream
+from cp_router.protocol import EngineChunk
 
 
 def record_everything(metrics: ServeMetrics) -> None:

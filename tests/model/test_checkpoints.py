@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_workers.kv_cache import PageTable
 from model_workers.checkpoint.loader import CheckpointError, dequantize_fp8_blocks, load_model
 from model_workers.model.config import ModelConfigError
 from model_workers.runner import ExtendItem, ModelRunner
@@ -19,7 +18,7 @@ IDS = list(range(3, 33))
 
 def logits_of(folder) -> torch.Tensor:
     runner = ModelRunner(load_model(folder, progress=False), num_pages=8, page_size=8)
-    table = PageTable()
+    (table,) = runner.standalone_tables([len(IDS)])
     hidden = runner.extend([ExtendItem(table, IDS)])
     return runner.model.logits(hidden)
 

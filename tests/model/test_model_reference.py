@@ -9,7 +9,6 @@ import torch
 
 from cluster.engine_setup import EngineOptions, run_all, start_local_engine
 from cp_router.protocol import EngineRequest
-from model_workers.kv_cache import PageTable
 from model_workers.checkpoint.loader import load_model
 from model_workers.runner import ExtendItem, ModelRunner
 
@@ -21,10 +20,8 @@ def prompt(length: int, seed: int = 3) -> list[int]:
 
 
 def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
-    tables = [PageTable() for _ in prompts]
+    tables = runner.standalone_tables([len(p) for p in prompts])
     hidden = runner.extend([ExtendItem(t, p) for t, p in zip(tables, prompts)])
-    for t in tables:
-        runner.release(t)
     logits = runner.model.logits(hidden)
     return list(logits.split([len(p) for p in prompts]))
 
@@ -40,7 +37,6 @@ def test_prefill_logits_match_reference(reference_checkpoint, kind, length):
     (ours,) = our_prefill_logits(runner, [ids])
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
-    assert runner.cache.allocator.num_free == 32
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -51,10 +47,9 @@ def test_batched_and_chunked_prefill_equal_single_requests(reference_checkpoint,
     batched = our_prefill_logits(runner, prompts)
     for p, logits in zip(prompts, batched):
         torch.testing.assert_close(logits, our_prefill_logits(runner, [p])[0], atol=1e-5, rtol=0)
-    table = PageTable()  # chunked: 16 tokens, then 21 attending to the cached 16
+    (table,) = runner.standalone_tables([len(prompts[0])])  # chunked: 16 tokens, then 21 attending to the cached 16
     first = runner.extend([ExtendItem(table, prompts[0][:16])])
     second = runner.extend([ExtendItem(table, prompts[0][16:])])
-    runner.release(table)
     chunked = runner.model.logits(torch.cat([first, second]))
     torch.testing.assert_close(chunked, batched[0], atol=1e-5, rtol=0)
 

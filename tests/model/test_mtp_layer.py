@@ -3,7 +3,6 @@
 import torch
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from model_workers.kv_cache import PageTable
 from model_workers.checkpoint.loader import load_model
 from model_workers.runner import ExtendItem, ModelRunner
 
@@ -62,13 +61,11 @@ def test_mtp_forward_matches_dense_formulation(reference_checkpoint):
     runner = ModelRunner(model, num_pages=16, page_size=8)
     for length in (6, 30):  # shorter than index_topk (dense) and longer (the MTP indexer really selects)
         ids = torch.randint(2, 128, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-        table = PageTable()
+        (table,) = runner.standalone_tables([length])
         hidden = runner.extend([ExtendItem(table, ids)])  # [L, hidden], final-normed
         sampled = int(model.logits(hidden[-1:]).argmax())
         next_ids = ids[1:] + [sampled]
         mtp_hidden = runner.extend_mtp([ExtendItem(table, next_ids)], hidden, tables_start=[0])
         ours = model.mtp_logits(mtp_hidden)
-        runner.release(table)
         expected = dense_mtp_reference(folder, mtp, n, next_ids, hidden)
         torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
-    assert runner.cache.allocator.num_free == 16

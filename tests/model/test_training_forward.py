@@ -2,11 +2,10 @@
 
 import torch
 
-from model_workers.kv_cache import PageTable
+from model_workers.checkpoint.saver import init_weights
 from model_workers.model.config import parse_model_config
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
-from model_workers.checkpoint.saver import init_weights
 from model_workers.training.recipe import Recipe, batch_losses
 from model_workers.training.train_backend import TrainingBackend
 from model_workers.training.trainer import ExpertBalancer, learning_rate
@@ -34,10 +33,9 @@ def test_sparse_training_forward_equals_inference_path():
         trained_view = model.logits(model(windows.reshape(-1), torch.arange(20).repeat(3), backend)).view(3, 20, -1)
     runner = ModelRunner(model, num_pages=8, page_size=8)
     for row, window in enumerate(windows.tolist()):
-        table = PageTable()
+        (table,) = runner.standalone_tables([len(window)])
         with torch.no_grad():
             expected = model.logits(runner.extend([ExtendItem(table, window)]))
-        runner.release(table)
         torch.testing.assert_close(trained_view[row], expected, atol=1e-5, rtol=0)
 
 

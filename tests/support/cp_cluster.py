@@ -1,17 +1,21 @@
-"""Helpers of the CP cluster tests: engines reused per cp_size, the single-process expected outputs, prompts."""
+"""Helpers of the CP cluster tests: CP groups reused per cp_size, prefills through the engine with a step
+observer that reads each rank's view of the prefill step, the single-process expected outputs, prompts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
 
 from cluster.config import ResolvedCPConfig
-from cluster.launch import CPEngine, launch_engine
-from model_workers.kv_cache import PagedKVCache, PageTable
+from cluster.engine_setup import EngineOptions, engine_over_workers, run_all
+from cluster.launch import CPGroup, launch_group
+from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
+from model_workers.kv_cache import PagedKVCache, PageTable
 from model_workers.precision import compute_dtype
 from model_workers.runner import ExtendItem, ModelRunner
 
@@ -25,11 +29,7 @@ def make_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
 
 def cache_rows(cache: PagedKVCache, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
     """Same layout as `CPWorker.export_kv`: per cache layer, the rows of positions 0..n-1."""
-    slots = table.slots(0, table.num_tokens, cache.page_size)
-    return {
-        "latent": [layer[slots] for layer in cache.latent],
-        "index_keys": [None if layer is None else layer[slots] for layer in cache.index_keys],
-    }
+    return cache.rows(table)
 
 
 @dataclass
@@ -50,7 +50,7 @@ def single_process(folder: Path, prompts: list[list[int]], dtype: torch.dtype = 
     if key not in _EXPECTED:
         model = load_model(folder, dtype=compute_dtype(dtype, "cpu"), progress=False)  # as a CPU worker does
         runner = ModelRunner(model, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=dtype)
-        tables = [PageTable() for _ in prompts]
+        tables = runner.standalone_tables([len(p) for p in prompts])
         hidden = runner.extend([ExtendItem(t, p) for t, p in zip(tables, prompts)])  # [N, D]
         last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [R]
         logits = model.logits(hidden[last])  # [R, vocab]
@@ -63,35 +63,79 @@ def single_process(folder: Path, prompts: list[list[int]], dtype: torch.dtype = 
 
 
 class Cluster:
-    """One engine per cp_size, launched on first use and reloaded when another checkpoint / dtype is asked."""
+    """One CP group per cp_size, launched on first use and reloaded when another checkpoint / dtype is asked."""
 
     def __init__(self):
-        self.engines: dict[int, CPEngine] = {}
+        self.groups: dict[int, CPGroup] = {}
         self.loaded: dict[int, tuple[str, str]] = {}
 
-    def engine(self, cp_size: int, folder: Path, dtype: str = "float32") -> CPEngine:
-        if cp_size not in self.engines:
+    def group(self, cp_size: int, folder: Path, dtype: str = "float32") -> CPGroup:
+        if cp_size not in self.groups:
             cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy="zigzag", impl="legacy")
-            self.engines[cp_size] = launch_engine(folder, cp, dtype, NUM_PAGES, PAGE_SIZE)
+            self.groups[cp_size] = launch_group(folder, cp, dtype, NUM_PAGES, PAGE_SIZE)
         elif self.loaded[cp_size] != (str(folder), dtype):
-            workers = self.engines[cp_size].workers
+            workers = self.groups[cp_size].workers
             ray.get([w.load.remote(str(folder), dtype, NUM_PAGES, PAGE_SIZE) for w in workers])
         self.loaded[cp_size] = (str(folder), dtype)
-        return self.engines[cp_size]
+        return self.groups[cp_size]
+
+    def engine(self, cp_size: int, folder: Path, strategy: str, impl: str, dtype: str = "float32", **options):
+        """A fresh engine over the group's workers with this CP layout (return_logits on: tests read them)."""
+        cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy=strategy, impl=impl)
+        settings = dict(dtype=dtype, num_pages=NUM_PAGES, page_size=PAGE_SIZE, return_logits=True,
+                        prefill_token_budget=NUM_PAGES * PAGE_SIZE)
+        return engine_over_workers(folder, cp, EngineOptions(**{**settings, **options}),
+                                   self.group(cp_size, folder, dtype).workers)
 
     def shutdown(self) -> None:
-        for engine in self.engines.values():
-            engine.shutdown()
+        for group in self.groups.values():
+            group.shutdown()
 
 
-def cp_prefill(engine: CPEngine, prompts: list[list[int]], strategy: str, impl: str):
-    """Prefill through the router, read each owner's KV and every rank's held requests, then release."""
-    report = ray.get(engine.router.prefill.remote(prompts, strategy=strategy, impl=impl, return_logits=True))
-    owners = ray.get(engine.router.owners.remote())
-    kv = [ray.get(engine.workers[owners[rid]].export_kv.remote(rid)) for rid in report.request_ids]
-    held = ray.get([w.held_requests.remote() for w in engine.workers])
-    ray.get(engine.router.release.remote(report.request_ids))
-    return report, kv, held, owners
+@dataclass
+class PrefillRun:
+    """Every rank's view of the prefill steps of one engine run, read by a step observer right after each step."""
+
+    request_ids: list[str]
+    outputs: dict = field(default_factory=dict)  # request id -> its owner's RequestOutput of the final chunk
+    ranks: list = field(default_factory=list)  # StepResult of every rank that ran the (last) prefill step
+    cp_size_used: int = 0
+    per_rank_logical_token: tuple[int, ...] = ()
+    owners: dict[str, int] = field(default_factory=dict)
+    kv: dict[str, dict] = field(default_factory=dict)  # request id -> its owner's cache rows after the prefill
+    held: list[list[str]] = field(default_factory=list)  # per rank: requests it keeps state of after the step
+    prefill_steps: int = 0
+
+    async def observe(self, step, results, workers) -> None:
+        if step.prefill is None:
+            return
+        self.prefill_steps += 1
+        shards = {r: plan.prefill for r, plan in step.plans.items() if plan.prefill is not None}
+        self.ranks = sorted((r for r in results if r.cp_rank in shards), key=lambda r: r.cp_rank)
+        self.cp_size_used = next(iter(shards.values())).meta.cp_size
+        self.per_rank_logical_token = tuple(shards[r].meta.num_logical for r in sorted(shards))
+        for s, (piece, owner) in enumerate(zip(step.prefill.pieces, step.prefill.owners)):
+            self.owners[piece.request_id] = owner
+            self.outputs[piece.request_id] = next(r.outputs[piece.request_id] for r in results if r.cp_rank == owner)
+            pages, tokens = shards[owner].page_tables[s], piece.prefix_len + piece.extend_len
+            self.kv[piece.request_id] = await workers[owner].export_kv.remote(list(pages), tokens)
+        self.held = list(await asyncio.gather(*[w.held_requests.remote() for w in workers]))
+
+
+def cp_prefill(engine, prompts: list[list[int]], max_tokens: int = 1) -> tuple[PrefillRun, list[dict]]:
+    """Greedy requests through the engine (one prefill batch when the budget allows); the prefill as every rank
+    saw it and the results. Afterwards the engine has drained: pages back, no rank state left."""
+    requests = [EngineRequest(f"p{i}", tuple(p), max_tokens, temperature=0.0, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+    run = PrefillRun([r.request_id for r in requests])
+
+    async def observer(step, results):
+        await run.observe(step, results, engine.workers)
+
+    engine.add_step_observer(observer)
+    results = run_all(engine, requests)
+    asyncio.run(engine.drain())
+    return run, results
 
 
 def assert_kv_equal(actual: dict, expected: dict, atol: float) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from cp_router.engine import DSAEngine
 from cluster.engine_setup import EngineOptions, start_local_engine
+from cp_router.engine import GenerationEngine
 from cp_router.protocol import EngineRequest
 
 
-def local_engine(model_dir, options: EngineOptions) -> DSAEngine:
+def local_engine(model_dir, options: EngineOptions) -> GenerationEngine:
     return start_local_engine(model_dir, options)
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, TokenLogprob
 from cp_router.metrics import ServeMetrics, track_stream
+from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, TokenLogprob
 
 WORDS = ["[UNK]", "<s>", "</s>", "hello", "world", "user", "assistant", "system", ":"]
 VOCAB_SIZE = 64

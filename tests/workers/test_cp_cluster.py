@@ -1,5 +1,5 @@
-"""CP prefill across Ray actors on a real local Ray with gloo (CPU): one Ray session for the module, one
-engine per cp_size reused across strategies, implementations and checkpoints."""
+"""CP prefill across Ray actors on a real local Ray with gloo (CPU), driven by the engine that serves: one Ray
+session for the module, one CP group per cp_size reused across strategies, implementations and checkpoints."""
 
 import json
 import shutil
@@ -7,25 +7,24 @@ import shutil
 import pytest
 import ray
 import torch
+
+from cluster.config import ResolvedCPConfig
+from cluster.launch import PlacementTimeout, engine_cpus, launch_group, start_ray
 from support.cp_cluster import Cluster, assert_kv_equal, cp_prefill, make_prompts, single_process
 from support.tiny_models import add_mtp_layer, reference_model, save_reference
 
-from cluster.config import ResolvedCPConfig
-from cluster.launch import PlacementTimeout, engine_cpus, launch_engine, start_ray
-from model_workers.kv_cache import OutOfPages
-
 STRATEGIES = ["zigzag", "interleave"]
 IMPLS = ["legacy", "v2"]
-CP_SIZES = [1, 2, 3, 4]  # one engine each, alive for the whole module
+CP_SIZES = [1, 2, 3, 4]  # one group each, alive for the whole module
 TOPK = 8  # index_topk of the tiny v32 checkpoint
 
 
 @pytest.fixture(scope="module")
 def cluster():
     start_ray(min_cpus=sum(engine_cpus(cp_size) for cp_size in CP_SIZES))
-    engines = Cluster()
-    yield engines
-    engines.shutdown()
+    groups = Cluster()
+    yield groups
+    groups.shutdown()
     ray.shutdown()
 
 
@@ -39,14 +38,20 @@ def batches(cp_size: int) -> list[list[int]]:
     return [[23], [max(1, cp_size - 1), 17, 10], [4 * cp_size, 9]]
 
 
-def check_against_single_process(report, kv, expected, atol: float) -> None:
-    for s, request_id in enumerate(report.request_ids):
-        out = report.outputs[request_id]
+def check_against_single_process(run, expected, atol: float) -> None:
+    for s, request_id in enumerate(run.request_ids):
+        out = run.outputs[request_id]
         torch.testing.assert_close(out.logits, expected.logits[s], atol=atol, rtol=0)
         torch.testing.assert_close(out.draft_logits, expected.draft_logits[s], atol=atol, rtol=0)
         assert out.token_id == expected.tokens[s]
         assert out.draft_token_id == int(expected.draft_logits[s].argmax())
-        assert_kv_equal(kv[s], expected.kv[s], atol)
+        assert_kv_equal(run.kv[request_id], expected.kv[s], atol)
+
+
+def assert_drained(engine) -> None:
+    """No request, every page back with the scheduler, no state left on any rank."""
+    assert not engine.scheduler.requests and engine.free_pages == [engine.scheduler.config.num_pages] * len(engine.workers)
+    assert ray.get([w.held_requests.remote() for w in engine.workers]) == [[]] * len(engine.workers)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -54,18 +59,19 @@ def check_against_single_process(report, kv, expected, atol: float) -> None:
 @pytest.mark.parametrize("cp_size", CP_SIZES)
 def test_cp_prefill_equals_single_process(cluster, v32, cp_size, strategy, impl):
     _, folder = v32
-    engine = cluster.engine(cp_size, folder)
+    engine = cluster.engine(cp_size, folder, strategy, impl)
     for lens in batches(cp_size):
         assert max(lens) > TOPK
         prompts = make_prompts(lens, seed=sum(lens))
-        report, kv, held, owners = cp_prefill(engine, prompts, strategy, impl)
-        assert report.cp_size_used == cp_size and len(report.ranks) == cp_size
-        assert sum(report.per_rank_logical_token) == sum(lens)
-        check_against_single_process(report, kv, single_process(folder, prompts), atol=1e-5)
-        for cp_rank, held_ids in enumerate(held):  # after prefill only the owner keeps a request's KV
-            assert held_ids == sorted(rid for rid in report.request_ids if owners[rid] == cp_rank)
-        if cp_size > 1:  # per layer: one gather of latent ‖ index key; then hidden, MTP layer, MTP hidden, control
-            assert all(r.num_collectives == 3 + 4 for r in report.ranks)
+        run, _ = cp_prefill(engine, prompts)
+        assert run.prefill_steps == 1 and run.cp_size_used == cp_size and len(run.ranks) == cp_size
+        assert sum(run.per_rank_logical_token) == sum(lens)
+        check_against_single_process(run, single_process(folder, prompts), atol=1e-5)
+        for cp_rank, held_ids in enumerate(run.held):  # after prefill only the owner keeps a request's state
+            assert held_ids == sorted(rid for rid in run.request_ids if run.owners[rid] == cp_rank)
+        if cp_size > 1:  # per layer: one gather of latent ‖ index key; then hidden, MTP layer, MTP hidden
+            assert all(r.num_collectives == 3 + 3 for r in run.ranks)
+        assert_drained(engine)
 
 
 @pytest.fixture(scope="module")
@@ -82,25 +88,23 @@ def glm_mtp(tmp_path_factory):
 )
 def test_glm_shared_layers_under_cp(cluster, glm_mtp, cp_size, strategy, impl):
     folder = glm_mtp  # "shared" layers reuse the previous layer's top-k: their gathers carry no index key
-    engine = cluster.engine(cp_size, folder)
     prompts = make_prompts([19, max(1, cp_size - 1), 10], seed=7)
-    report, kv, _, _ = cp_prefill(engine, prompts, strategy, impl)
-    assert report.cp_size_used == cp_size
-    check_against_single_process(report, kv, single_process(folder, prompts), atol=1e-5)
+    run, _ = cp_prefill(cluster.engine(cp_size, folder, strategy, impl), prompts)
+    assert run.cp_size_used == cp_size
+    check_against_single_process(run, single_process(folder, prompts), atol=1e-5)
 
 
 @pytest.mark.parametrize("cp_size,strategy,lens", [(2, "zigzag", [3]), (3, "interleave", [2]), (4, "zigzag", [3, 4])])
 def test_too_short_batches_take_the_non_cp_path(cluster, v32, cp_size, strategy, lens):
     _, folder = v32
-    engine = cluster.engine(cp_size, folder)
     prompts = make_prompts(lens, seed=1)
-    report, kv, held, owners = cp_prefill(engine, prompts, strategy, "v2")
-    assert report.cp_size_used == 1 and report.per_rank_logical_token == (sum(lens),)
-    (ran,) = report.ranks  # the owner alone, no collectives
+    run, _ = cp_prefill(cluster.engine(cp_size, folder, strategy, "v2"), prompts)
+    assert run.cp_size_used == 1 and run.per_rank_logical_token == (sum(lens),)
+    (ran,) = run.ranks  # the owner alone, no collectives
     assert ran.num_collectives == 0 and ran.comm_bytes == 0
-    assert {owners[rid] for rid in report.request_ids} == {ran.cp_rank}
-    assert [len(h) for h in held] == [len(lens) if r == ran.cp_rank else 0 for r in range(cp_size)]
-    check_against_single_process(report, kv, single_process(folder, prompts), atol=1e-5)
+    assert {run.owners[rid] for rid in run.request_ids} == {ran.cp_rank}
+    assert [len(h) for h in run.held] == [len(lens) if r == ran.cp_rank else 0 for r in range(cp_size)]
+    check_against_single_process(run, single_process(folder, prompts), atol=1e-5)
 
 
 def reference_greedy(ref, ids: list[int], count: int) -> list[int]:
@@ -111,32 +115,25 @@ def reference_greedy(ref, ids: list[int], count: int) -> list[int]:
 @pytest.mark.parametrize("cp_size,strategy,impl", [(2, "zigzag", "legacy"), (3, "interleave", "v2"), (4, "zigzag", "v2")])
 def test_greedy_generate_matches_transformers(cluster, v32, cp_size, strategy, impl):
     ref, folder = v32
-    engine = cluster.engine(cp_size, folder)
+    engine = cluster.engine(cp_size, folder, strategy, impl)
     prompts = make_prompts([30, 9, 17], seed=5)
-    results = ray.get(engine.router.generate.remote(prompts, 12, strategy=strategy, impl=impl))
+    _, results = cp_prefill(engine, prompts, max_tokens=12)
     for prompt, result in zip(prompts, results):
         assert result["token_ids"] == reference_greedy(ref, prompt, 12)
-    assert ray.get(engine.router.owners.remote()) == {}
+    assert_drained(engine)
 
 
 def test_twenty_prefill_batches_leak_no_pages(cluster, v32):
     _, folder = v32
-    engine = cluster.engine(3, folder)
-    start = ray.get(engine.router.free_pages.remote())
     for i in range(20):  # CP batches, too-short batches, and batches that also decode a few tokens
         lens = [[2], [11, 5], [1, 30, 7], [40]][i % 4]
-        strategy, impl = STRATEGIES[i % 2], IMPLS[(i // 2) % 2]
-        prompts = make_prompts(lens, seed=i)
-        if i % 5 == 0:
-            ray.get(engine.router.generate.remote(prompts, 3, strategy=strategy, impl=impl))
-        else:
-            cp_prefill(engine, prompts, strategy, impl)
-    with pytest.raises(ray.exceptions.RayTaskError) as failure:  # 520 tokens > 64 pages x 8 on every rank
-        ray.get(engine.router.prefill.remote(make_prompts([500, 20]), strategy="interleave", impl="v2"))
-    assert isinstance(failure.value.as_instanceof_cause(), OutOfPages)
-    assert ray.get(engine.router.free_pages.remote()) == start
-    assert ray.get([w.held_requests.remote() for w in engine.workers]) == [[], [], []]
-    assert ray.get(engine.router.owners.remote()) == {}
+        engine = cluster.engine(3, folder, STRATEGIES[i % 2], IMPLS[(i // 2) % 2])
+        cp_prefill(engine, make_prompts(lens, seed=i), max_tokens=3 if i % 5 == 0 else 1)
+        assert_drained(engine)
+    # 520 tokens > 64 pages x 8 on every rank: the scheduler admits the second request once the first is done
+    run, results = cp_prefill(engine, make_prompts([500, 20]))
+    assert run.prefill_steps == 2 and [len(r["token_ids"]) for r in results] == [1, 1]
+    assert_drained(engine)
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +149,11 @@ def shared_index_folder(v32, tmp_path_factory):
 
 def test_mtp_topk_rows_are_gathered_in_global_order(cluster, shared_index_folder):
     prompts = make_prompts([21, 2, 13], seed=9)
-    reports = {}
+    runs = {}
     for cp_size, strategy in [(1, "zigzag"), (2, "interleave"), (3, "zigzag")]:
-        reports[cp_size], _, _, _ = cp_prefill(cluster.engine(cp_size, shared_index_folder), prompts, strategy, "v2")
+        runs[cp_size], _ = cp_prefill(cluster.engine(cp_size, shared_index_folder, strategy, "v2"), prompts)
     for s, prompt in enumerate(prompts):
-        rows = [r.outputs[r.request_ids[s]].mtp_topk_positions for r in reports.values()]
+        rows = [run.outputs[run.request_ids[s]].mtp_topk_positions for run in runs.values()]
         positions = torch.arange(len(prompt))[:, None]  # [L, 1]
         assert rows[0].shape == (len(prompt), min(TOPK, max(map(len, prompts))))  # batch-wide width
         assert bool(((rows[0] <= positions) & (rows[0] >= -1)).all())  # causal, -1 padded
@@ -173,24 +170,23 @@ def test_bfloat16_cp_prefill_close_to_single_process(cluster, v32, cp_size):
     # (2^-8 relative); over 3 layers + MTP on logits of magnitude ~1.5 that stays well under 0.05. Tokens
     # must agree wherever the top-2 logit margin exceeds that bound.
     _, folder = v32
-    engine = cluster.engine(cp_size, folder, "bfloat16")
     prompts = make_prompts([37, 3, 21], seed=2)
     expected = single_process(folder, prompts, torch.bfloat16)
     for strategy in STRATEGIES:
-        report, kv, _, _ = cp_prefill(engine, prompts, strategy, "v2")
-        for s, request_id in enumerate(report.request_ids):
-            out = report.outputs[request_id]
+        run, _ = cp_prefill(cluster.engine(cp_size, folder, strategy, "v2", dtype="bfloat16"), prompts)
+        for s, request_id in enumerate(run.request_ids):
+            out = run.outputs[request_id]
             for got, want in [(out.logits, expected.logits[s]), (out.draft_logits, expected.draft_logits[s])]:
                 assert (got - want).abs().max() < 0.05
                 top2 = want.topk(2).values
                 if top2[0] - top2[1] > 0.1:
                     assert int(got.argmax()) == int(want.argmax())
-            assert_kv_equal(kv[s], expected.kv[s], atol=0.05)
+            assert_kv_equal(run.kv[request_id], expected.kv[s], atol=0.05)
 
 
 def test_unplaceable_group_fails_with_the_resources_it_asked_for(cluster, v32):
     cp = ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
     with pytest.raises(PlacementTimeout, match=r"2 bundles \{'GPU': 1\}"):
-        launch_engine(v32[1], cp, use_gpu=True, placement_timeout_s=2)
+        launch_group(v32[1], cp, use_gpu=True, placement_timeout_s=2)
     states = [g["state"] for g in ray.util.placement_group_table().values()]
-    assert states.count("CREATED") == len(cluster.engines)  # the failed group was removed
+    assert states.count("CREATED") == len(cluster.groups)  # the failed group was removed

@@ -4,8 +4,8 @@ distribution (chi-square on a tiny vocabulary, simulated decode loop with k draf
 import pytest
 import torch
 
-from cp_router.plans import SamplingParams
-from model_workers.sampler import blocked_ids, draft_token, draw, sample, target_probs, uniform, verify
+from cp_router.sampling import SamplingParams
+from model_workers.sampler import draft_token, draw, sample, target_probs, uniform, verify
 
 V = 4  # tiny vocabulary: 16 cells for the pair of the first two tokens
 SAMPLES = 20_000
@@ -88,7 +88,7 @@ def test_top_p_top_k_and_min_tokens_shape_the_distribution():
     assert probs[0] > 0 and probs[1] > 0 and probs[3:].sum() == 0 and abs(float(probs.sum()) - 1) < 1e-6
     assert (target_probs(logits, SamplingParams(temperature=1.0, top_k=2), []) > 0).sum() == 2
     params = SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=(1,))
-    assert blocked_ids(params, (0,), 1) == [1, 0] and blocked_ids(params, (0,), 2) == []
+    assert params.blocked_ids((0,), 1) == [1, 0] and params.blocked_ids((0,), 2) == []
     assert sample(logits, params, (0,), 0) == 2  # EOS 0 and stop id 1 are blocked before min_tokens
     assert sample(logits, params, (0,), 2) == 0
     assert draw(torch.tensor([0.0, 1.0, 0.0]), 0.999) == 1
