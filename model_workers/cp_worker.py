@@ -101,6 +101,12 @@ class CPWorker:
         """The cached keys of positions 0..num_tokens-1 stored in `pages` (a request's page table), per layer."""
         return self.runner.cache.rows(PageTable(list(pages), num_tokens))
 
+    def export_draft_state(self, request_id: str) -> dict[str, torch.Tensor | None]:
+        """The MTP draft state this rank keeps of an owned request: hidden [D] at its last cached position,
+        and (MTP index sharing) the top-k slots recorded there."""
+        held = self.held[request_id]
+        return {"draft_hidden": held.draft_hidden, "draft_topk": held.draft_topk}
+
     def shutdown(self) -> None:
         self.held = {}
         self.comm.destroy()

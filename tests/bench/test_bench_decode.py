@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from cluster.bench.decode import PROMPTS, add_cost_model
+from cluster.bench.common import PROMPTS
+from cluster.bench.decode import add_cost_model
 from cluster.cli import main
 
 
@@ -33,6 +34,9 @@ def test_decode_bench_counts_tokens_acceptance_and_costs(capsys, mtp_folder):
             continue
         assert len(run["per_position_acceptance"]) == 2
         assert 1 <= run["mean_accepted_length"] <= 3
+        assert run["mean_accepted_length"] == pytest.approx(1 + k * run["acceptance_rate"])
+        # the random MTP layer drafts from another distribution than the target: most drafts are rejected
+        assert run["acceptance_rate"] < 0.5 and run["per_position_acceptance"][0] < 0.5
         assert run["per_position_acceptance"][0] >= run["per_position_acceptance"][1]  # a chain stops at a miss
         assert run["draft_cost_c"] > 0 and run["verify_cost_v"] > 0
         expected = run["mean_accepted_length"] / (2 * run["draft_cost_c"] + run["verify_cost_v"])

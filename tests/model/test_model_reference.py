@@ -11,6 +11,7 @@ from cluster.engine_setup import EngineOptions, run_all, start_local_engine
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
 from model_workers.runner import ExtendItem, ModelRunner
+from support.choices import flipped_rows, prefill_with_choices, touched_rows
 
 KINDS = ["v32", "v32_yarn", "glm_shared"]
 
@@ -81,18 +82,23 @@ def test_cli_generate_json_matches_reference(reference_checkpoint):
     assert result["token_ids"] == reference_greedy(ref, ids, 32)
 
 
-def test_bfloat16_prefill_close_to_reference(reference_checkpoint):
+def test_bfloat16_prefill_close_to_reference_row_by_row(reference_checkpoint):
+    # bf16 keeps 8 mantissa bits (~0.4% relative per op). A row whose computation makes the same discrete
+    # choices as fp32 (the indexer's top-k key set, the MoE's experts, in every layer, and no key it attends
+    # to came from a row that chose differently) differs by rounding only: within 0.05 on logits of magnitude
+    # ~2 after 3 layers (0.021 measured). A bf16 score can swap a key or an expert at a selection boundary — a
+    # discrete change the reference would make too at its own rounding: such rows are counted and capped (6 of
+    # 40 measured; RoPE rotated in bf16 instead of fp32 makes it 11), and every row stays bounded (0.995).
     ref, folder = reference_checkpoint("v32")
-    runner = ModelRunner(load_model(folder, dtype=torch.bfloat16, progress=False), num_pages=32, page_size=8)
     ids = prompt(40)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
-    (ours,) = our_prefill_logits(runner, [ids])
-    # bf16 keeps 8 mantissa bits (~0.4% relative per op). Before the prompt outgrows index_topk no key is
-    # dropped, so the error is rounding only: within 0.05 on logits of magnitude ~2 after 3 layers. Beyond it,
-    # a bf16 score can swap a key at the top-k boundary — a discrete change the reference would make too at
-    # its own rounding — so only the typical row is bounded there.
-    row_error = (ours - expected).abs().amax(-1)  # [T]
-    topk = runner.model.config.index_topk
-    assert row_error[:topk].max() < 0.05
-    assert row_error.median() < 0.05
+    exact = prefill_with_choices(load_model(folder, progress=False), ids)
+    rounded = prefill_with_choices(load_model(folder, dtype=torch.bfloat16, progress=False), ids)
+    torch.testing.assert_close(exact.logits, expected, atol=1e-4, rtol=0)  # fp32 makes the reference's choices
+    row_error = (rounded.logits - expected).abs().amax(-1)  # [T]
+    flipped = flipped_rows(exact, rounded)
+    touched = touched_rows(exact, rounded)
+    assert int(flipped.sum()) <= 8, f"{int(flipped.sum())} of 40 rows chose other keys or experts (6 measured)"
+    assert row_error[~touched].max() < 0.05
+    assert row_error.max() < 1.5

@@ -38,9 +38,15 @@ def batches(cp_size: int) -> list[list[int]]:
     return [[23], [max(1, cp_size - 1), 17, 10], [4 * cp_size, 9]]
 
 
-def check_against_single_process(run, expected, atol: float) -> None:
+def check_against_single_process(run, expected, atol: float, ref=None, prompts=None) -> None:
+    """CP outputs equal the single-process path's; with `ref`, the logits also equal the transformers
+    reference's (an oracle that shares no code with either path)."""
     for s, request_id in enumerate(run.request_ids):
         out = run.outputs[request_id]
+        if ref is not None:
+            with torch.no_grad():
+                want = ref(torch.tensor([prompts[s]])).logits[0, -1]
+            torch.testing.assert_close(out.logits, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(out.logits, expected.logits[s], atol=atol, rtol=0)
         torch.testing.assert_close(out.draft_logits, expected.draft_logits[s], atol=atol, rtol=0)
         assert out.token_id == expected.tokens[s]
@@ -58,7 +64,7 @@ def assert_drained(engine) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("cp_size", CP_SIZES)
 def test_cp_prefill_equals_single_process(cluster, v32, cp_size, strategy, impl):
-    _, folder = v32
+    ref, folder = v32
     engine = cluster.engine(cp_size, folder, strategy, impl)
     for lens in batches(cp_size):
         assert max(lens) > TOPK
@@ -66,7 +72,7 @@ def test_cp_prefill_equals_single_process(cluster, v32, cp_size, strategy, impl)
         run, _ = cp_prefill(engine, prompts)
         assert run.prefill_steps == 1 and run.cp_size_used == cp_size and len(run.ranks) == cp_size
         assert sum(run.per_rank_logical_token) == sum(lens)
-        check_against_single_process(run, single_process(folder, prompts), atol=1e-5)
+        check_against_single_process(run, single_process(folder, prompts), atol=1e-5, ref=ref, prompts=prompts)
         for cp_rank, held_ids in enumerate(run.held):  # after prefill only the owner keeps a request's state
             assert held_ids == sorted(rid for rid in run.request_ids if run.owners[rid] == cp_rank)
         if cp_size > 1:  # per layer: one gather of latent ‖ index key; then hidden, MTP layer, MTP hidden
@@ -80,18 +86,18 @@ def glm_mtp(tmp_path_factory):
     model = reference_model("glm_shared", num_hidden_layers=3, indexer_types=["full", "shared", "full"])
     folder = save_reference(model, tmp_path_factory.mktemp("glm_mtp"))
     add_mtp_layer(folder)
-    return folder
+    return model, folder
 
 
 @pytest.mark.parametrize(
     "cp_size,strategy,impl", [(2, "zigzag", "legacy"), (2, "interleave", "v2"), (3, "zigzag", "v2"), (4, "interleave", "legacy")]
 )
 def test_glm_shared_layers_under_cp(cluster, glm_mtp, cp_size, strategy, impl):
-    folder = glm_mtp  # "shared" layers reuse the previous layer's top-k: their gathers carry no index key
+    ref, folder = glm_mtp  # "shared" layers reuse the previous layer's top-k: their gathers carry no index key
     prompts = make_prompts([19, max(1, cp_size - 1), 10], seed=7)
     run, _ = cp_prefill(cluster.engine(cp_size, folder, strategy, impl), prompts)
     assert run.cp_size_used == cp_size
-    check_against_single_process(run, single_process(folder, prompts), atol=1e-5)
+    check_against_single_process(run, single_process(folder, prompts), atol=1e-5, ref=ref, prompts=prompts)
 
 
 @pytest.mark.parametrize("cp_size,strategy,lens", [(2, "zigzag", [3]), (3, "interleave", [2]), (4, "zigzag", [3, 4])])

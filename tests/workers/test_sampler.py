@@ -6,6 +6,7 @@ import torch
 
 from cp_router.sampling import SamplingParams
 from model_workers.sampler import draft_token, draw, sample, target_probs, uniform, verify
+from support.stats import chi_square_p
 
 V = 4  # tiny vocabulary: 16 cells for the pair of the first two tokens
 SAMPLES = 20_000
@@ -38,13 +39,6 @@ def first_two(params: SamplingParams, k: int, target, draft) -> tuple[int, int]:
         _, tokens = verify(rows, drafts, probs, params, (), len(out))
         out += tokens
     return out[0], out[1]
-
-
-def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    expected = expected_probs * counts.sum()
-    stat = float(((counts - expected) ** 2 / expected).sum())
-    df = counts.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 @pytest.mark.parametrize("k,temperature,top_k", [(2, 1.0, 0), (3, 0.7, 3)])
