@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import spelled_command
-from cluster.commands.args import add_cp_arguments, add_device_argument, add_dtype_argument, int_list
+from cluster.commands.args import add_cp_arguments, add_dtype_argument, int_list
 from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, max_over_mean
+from cp_router.cp.strategies import CP_STRATEGIES
 from model_workers.precision import storage_dtype
 
 KV_GATHER_FORMULA = "(C-1)/C * L * layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes"
@@ -37,7 +38,7 @@ def add_parser(kinds) -> None:
     add_cp_arguments(prefill, required=True)
     prefill.add_argument("--prompt-len", default=DEFAULT_LENGTHS, help="tokens per prompt, or a comma list")
     add_dtype_argument(prefill, default="bfloat16")
-    add_device_argument(prefill, default="cuda" if torch.cuda.is_available() else "cpu")
+    prefill.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     prefill.add_argument("--repeats", type=int, default=1, help="timed prefills per length (median kept)")
     prefill.add_argument("--skip-equal-cores", action="store_true", help="no C=1 run with C threads")
     prefill.add_argument("--json", action="store_true", help="print one JSON object")
@@ -65,7 +66,7 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
     from cp_router.cp.padding import ceil_div
 
     options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64,
-                            threads_per_worker=threads, use_gpu=args.device == "cuda")
+                            threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"))
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                          threads_per_worker=threads, use_gpu=options.use_gpu)
     try:
@@ -82,7 +83,7 @@ def modeled_imbalance(length: int, cp_size: int, impl: str) -> dict[str, float]:
     from cp_router.cp import build_cp_metadata, can_split
 
     out = {"contiguous": max_over_mean(contiguous_causal_work(length, cp_size))}
-    for strategy in ("zigzag", "interleave"):
+    for strategy in CP_STRATEGIES:
         if can_split([length], cp_size, strategy):
             out[strategy] = max_over_mean(causal_work_per_rank(build_cp_metadata([length], [0], cp_size, strategy, impl)))
     return out

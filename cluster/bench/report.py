@@ -98,10 +98,11 @@ def prefill_detail(result: dict) -> list[str]:
     entries = result.get("lengths") or []
     if not entries:
         return []
+    lines = served_and_one_batch(result, entries)
     layouts = ("zigzag", "interleave", "contiguous")
     rows = [[e["prompt_len"], *[e.get("modeled_causal_work_imbalance", {}).get(k) for k in layouts],
              e.get("compute_imbalance_max_over_mean")] for e in entries]
-    lines = ["Causal work max/mean per rank (model: causal query-key pairs each rank's indexer scores), next to "
+    lines += ["Causal work max/mean per rank (model: causal query-key pairs each rank's indexer scores), next to "
              f"the measured compute max/mean of this run ({result.get('cp_strategy')}):", ""]
     lines += markdown_table(["L", *[f"{k} (model)" for k in layouts], "measured"], rows)
     phases = ("indexer", "attention", "mlp", "communication", "other")
@@ -116,6 +117,19 @@ def prefill_detail(result: dict) -> list[str]:
         lines += ["", f"KV cache bytes per token: measured {result['measured_kv_bytes_per_token']}, formula "
                       f"{result.get('formula_kv_bytes_per_token')} = {result.get('kv_token_formula')}."]
     return lines
+
+
+def served_and_one_batch(result: dict, entries: list[dict]) -> list[str]:
+    """The served path (chunked, the table above) next to the same prompt prefilled as one batch."""
+    rows = [[e["prompt_len"], e.get("chunks"), e["c1_wall_s"], e["cp_wall_s"], e["strong_scaling_efficiency"],
+             e["one_batch"]["c1_wall_s"], e["one_batch"]["cp_wall_s"], e["one_batch"]["strong_scaling_efficiency"]]
+            for e in entries if e.get("one_batch")]
+    if not rows:
+        return []
+    lines = [f"Served path (chunks of {result.get('prefill_chunk_tokens')} tokens, as `serve` runs prefill; the "
+             "table above) against the same prompt as one unchunked batch:", ""]
+    return lines + markdown_table(["L", "chunks", "served C=1 s", "served C ranks s", "served eff.", "one batch C=1 s",
+                                   "one batch C ranks s", "one batch eff."], rows) + [""]
 
 
 def decode_table(result: dict) -> list[str]:

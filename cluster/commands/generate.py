@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.commands.args import add_cp_arguments, add_device_argument, add_dtype_argument, add_speculative_argument
+from cluster.commands.args import add_cp_arguments, add_dtype_argument, add_speculative_argument
 from cluster.config import check_speculative_steps, resolve_cp_settings
 from cp_router.cp.padding import ceil_div
 from cp_router.protocol import EngineRequest
@@ -43,7 +43,7 @@ def add_parser(commands) -> None:
     add_sampling_arguments(parser)
     parser.add_argument("--n-requests", type=int, default=1, help="requests run concurrently (one JSON line each)")
     add_dtype_argument(parser, default="float32")
-    add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_cp_arguments(parser)
     parser.set_defaults(run=run)

@@ -133,8 +133,9 @@ def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
              "strong_scaling_efficiency": 0.9375, "equal_cores_ratio": 1.04, "compute_imbalance_max_over_mean": 1.02,
              "modeled_causal_work_imbalance": {"zigzag": 1.0, "interleave": 1.0001, "contiguous": 1.5},
              "c1_phase_s": phases, "per_rank_phase_s": [phases, phases], "peak_rss_bytes_per_rank": [GIB, GIB],
-             "measured_kv_bytes_per_rank": 10, "formula_kv_bytes_per_rank": 10.0, "runs": []}
-    result = {"bench": "prefill", "cp_size": 2, "cp_strategy": "zigzag", "lengths": [entry],
+             "measured_kv_bytes_per_rank": 10, "formula_kv_bytes_per_rank": 10.0, "runs": [], "chunks": 4,
+             "one_batch": {"c1_wall_s": 8.0, "cp_wall_s": 4.0, "strong_scaling_efficiency": 1.0}}
+    result = {"bench": "prefill", "cp_size": 2, "cp_strategy": "zigzag", "lengths": [entry], "prefill_chunk_tokens": 2048,
               "measured_kv_bytes_per_token": 1280, "formula_kv_bytes_per_token": 1280, "kv_token_formula": "f"}
     folder = tmp_path / "results"
     folder.mkdir()
@@ -146,6 +147,8 @@ def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
     text = (tmp_path / "B.md").read_text()
     assert "| 8192 | 2 | 9 | 5 | 4.8 | 1.875 | 0.9375 | 1.04 | 1.02 | 10 | 10 | 1 |" in text
     assert "| 8192 | 1 | 1 | 1.5 | 1.02 |" in text  # zigzag, interleave, contiguous (model), measured
+    assert "Served path (chunks of 2048 tokens" in text
+    assert "| 8192 | 4 | 9 | 4.8 | 0.9375 | 8 | 4 | 1 |" in text  # served next to one batch
     assert "| 8192 | rank 1 | 3 | 1 | 0.5 | 0.2 | 0.1 |" in text
     assert "KV cache bytes per token: measured 1280, formula 1280" in text
     assert text.index("## Targets") < text.index("explained here") < text.index("## Results")
