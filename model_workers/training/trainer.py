@@ -34,22 +34,22 @@ def learning_rate(recipe: Recipe, step: int, total_steps: int) -> float:
 
 
 class ExpertBalancer:
-    """DeepSeek's auxiliary-loss-free balancing: nudge each router's bias toward under-loaded experts."""
+    """DeepSeek's auxiliary-loss-free balancing: nudge each gate's bias toward under-loaded experts."""
 
     def __init__(self, model: DSAForCausalLM, rate: float):
         self.rate, self.counts = rate, {}
-        for router in (m for m in model.modules() if isinstance(m, MoEGate)):
-            router.register_forward_hook(self._record)
+        for gate in (m for m in model.modules() if isinstance(m, MoEGate)):
+            gate.register_forward_hook(self._record)
 
-    def _record(self, router, _inputs, output) -> None:
+    def _record(self, gate, _inputs, output) -> None:
         expert_ids = output[0]
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=router.weight.shape[0]).float()
-        self.counts[router] = self.counts.get(router, 0) + counts
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=gate.weight.shape[0]).float()
+        self.counts[gate] = self.counts.get(gate, 0) + counts
 
     @torch.no_grad()
     def update(self) -> None:
-        for router, counts in self.counts.items():
-            router.e_score_correction_bias += self.rate * torch.sign(counts.mean() - counts)
+        for gate, counts in self.counts.items():
+            gate.e_score_correction_bias += self.rate * torch.sign(counts.mean() - counts)
         self.counts = {}
 
 

@@ -6,13 +6,11 @@ C = 1 / 2; seeded sampling at T > 0 with speculation, equal at C = 2 and C = 1."
 import asyncio
 
 import pytest
-import ray
 import torch
 
 from cluster.engine_setup import EngineOptions, run_all
-from cluster.launch import engine_cpus, start_ray
 from cp_router.protocol import EngineRequest
-from support.cp_cluster import Cluster, make_prompts
+from support.cp_cluster import make_prompts, ray_groups
 from support.engines import local_engine
 
 CHUNK = 16  # prefill tokens per step: the 40-token prompt runs as chunks 16 + 16 + 8 (prefixes 16 and 32)
@@ -20,11 +18,8 @@ CHUNK = 16  # prefill tokens per step: the 40-token prompt runs as chunks 16 + 1
 
 @pytest.fixture(scope="module")
 def cluster():
-    start_ray(min_cpus=engine_cpus(2))
-    groups = Cluster()
-    yield groups
-    groups.shutdown()
-    ray.shutdown()
+    with ray_groups([2]) as groups:
+        yield groups
 
 
 @pytest.fixture(scope="module")

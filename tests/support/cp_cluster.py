@@ -4,6 +4,7 @@ observer that reads each rank's view of the prefill step, the single-process exp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from cluster.config import ResolvedCPConfig
 from cluster.engine_setup import EngineOptions, engine_over_workers, run_all
-from cluster.launch import CPGroup, launch_group
+from cluster.launch import CPGroup, engine_cpus, launch_group, start_ray
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
 from model_workers.kv_cache import PagedKVCache, PageTable
@@ -90,6 +91,18 @@ class Cluster:
     def shutdown(self) -> None:
         for group in self.groups.values():
             group.shutdown()
+
+
+@contextlib.contextmanager
+def ray_groups(cp_sizes: list[int]):
+    """A local Ray sized for one group of each cp_size, and the `Cluster` of those groups; both torn down after."""
+    start_ray(min_cpus=sum(engine_cpus(cp_size) for cp_size in cp_sizes))
+    groups = Cluster()
+    try:
+        yield groups
+    finally:
+        groups.shutdown()
+        ray.shutdown()
 
 
 @dataclass

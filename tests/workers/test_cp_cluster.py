@@ -9,8 +9,8 @@ import ray
 import torch
 
 from cluster.config import ResolvedCPConfig
-from cluster.launch import PlacementTimeout, engine_cpus, launch_group, start_ray
-from support.cp_cluster import Cluster, assert_kv_equal, cp_prefill, make_prompts, single_process
+from cluster.launch import PlacementTimeout, launch_group
+from support.cp_cluster import assert_kv_equal, cp_prefill, make_prompts, ray_groups, single_process
 from support.tiny_models import add_mtp_layer, reference_model, save_reference
 
 STRATEGIES = ["zigzag", "interleave"]
@@ -21,11 +21,8 @@ TOPK = 8  # index_topk of the tiny v32 checkpoint
 
 @pytest.fixture(scope="module")
 def cluster():
-    start_ray(min_cpus=sum(engine_cpus(cp_size) for cp_size in CP_SIZES))
-    groups = Cluster()
-    yield groups
-    groups.shutdown()
-    ray.shutdown()
+    with ray_groups(CP_SIZES) as groups:
+        yield groups
 
 
 @pytest.fixture(scope="module")
