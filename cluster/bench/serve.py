@@ -35,10 +35,10 @@ from cluster.commands.args import (
     add_cp_arguments,
     add_device_argument,
     add_dtype_argument,
+    add_placement_argument,
     add_speculative_argument,
     int_list,
 )
-from cluster.commands.serve import add_placement_argument
 from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
 

@@ -6,6 +6,7 @@ import argparse
 from typing import get_args
 
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName
+from cluster.serve_settings import EnginePlacement
 
 
 def add_cp_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
@@ -30,6 +31,11 @@ def add_speculative_argument(parser: argparse.ArgumentParser, default: int | str
     what = "a comma list of k" if many else "k"
     parser.add_argument("--speculative-num-steps", type=str if many else int, default=default,
                         help=f"MTP draft tokens per step ({what}, 0..{MAX_SPECULATIVE_STEPS}; 0 = plain decoding)")
+
+
+def add_placement_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-placement", choices=get_args(EnginePlacement), default="separate",
+                        help="colocated: one deployment is HTTP app + engine; separate: DSAIngress -> DSAEngine")
 
 
 def int_list(text: str, flag: str, low: int, high: int) -> list[int]:

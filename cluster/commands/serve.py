@@ -10,12 +10,17 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-from typing import get_args
 
 import torch
 
-from cluster.commands.args import add_cp_arguments, add_device_argument, add_dtype_argument, add_speculative_argument
-from cluster.serve_settings import API_KEY_ENV, EnginePlacement
+from cluster.commands.args import (
+    add_cp_arguments,
+    add_device_argument,
+    add_dtype_argument,
+    add_placement_argument,
+    add_speculative_argument,
+)
+from cluster.serve_settings import API_KEY_ENV
 
 
 def add_parser(commands) -> None:
@@ -32,11 +37,6 @@ def add_parser(commands) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
     add_placement_argument(parser)
     parser.set_defaults(run=run)
-
-
-def add_placement_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine-placement", choices=get_args(EnginePlacement), default="separate",
-                        help="colocated: one deployment is HTTP app + engine; separate: DSAIngress -> DSAEngine")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
