@@ -31,14 +31,7 @@ from cluster.bench.serve_report import (  # plot: bench_plot "serve"
     plot,
     summary_text,
 )
-from cluster.commands.args import (
-    add_cp_arguments,
-    add_device_argument,
-    add_dtype_argument,
-    add_placement_argument,
-    add_speculative_argument,
-    int_list,
-)
+from cluster.commands.args import add_server_arguments, int_list
 from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
 
@@ -51,13 +44,7 @@ SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ray_address
 def add_parser(kinds) -> None:
     bench = kinds.add_parser("serve", help="HTTP server under load: TTFT, ITL, tokens/s vs in-process and transformers")
     bench.add_argument("--url", default=None, help="a running server (default: start one here, stop it at the end)")
-    bench.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
-    add_cp_arguments(bench)
-    bench.set_defaults(cp_size=2)
-    add_speculative_argument(bench)
-    add_dtype_argument(bench, default="bfloat16")
-    add_device_argument(bench, default="cuda" if torch.cuda.is_available() else "cpu")
-    add_placement_argument(bench)
+    add_server_arguments(bench, dtype_default="bfloat16")
     bench.add_argument("--concurrency", default="1,8,32,64", help="comma list of closed-loop client counts")
     bench.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x C))")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (exactly)")

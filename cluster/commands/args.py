@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
+import torch
+
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName
 from cluster.serve_settings import EnginePlacement
 
@@ -36,6 +38,18 @@ def add_speculative_argument(parser: argparse.ArgumentParser, default: int | str
 def add_placement_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-placement", choices=get_args(EnginePlacement), default="separate",
                         help="colocated: one deployment is HTTP app + engine; separate: DSAIngress -> DSAEngine")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) -> None:
+    """What describes a served engine (`serve`, and `bench serve` which starts or measures one): --model, the
+    CP flags (cp_size 2), speculation, dtype, device and the engine placement."""
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    add_cp_arguments(parser)
+    parser.set_defaults(cp_size=2)
+    add_speculative_argument(parser)
+    add_dtype_argument(parser, default=dtype_default)
+    add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
+    add_placement_argument(parser)
 
 
 def int_list(text: str, flag: str, low: int, high: int) -> list[int]:

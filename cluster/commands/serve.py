@@ -11,31 +11,17 @@ import argparse
 import signal
 import threading
 
-import torch
-
-from cluster.commands.args import (
-    add_cp_arguments,
-    add_device_argument,
-    add_dtype_argument,
-    add_placement_argument,
-    add_speculative_argument,
-)
+from cluster.commands.args import add_server_arguments
 from cluster.serve_settings import API_KEY_ENV
 
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("serve", help="serve the OpenAI-style HTTP API on Ray Serve")
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
-    add_cp_arguments(parser)
-    parser.set_defaults(cp_size=2)
-    add_speculative_argument(parser)
-    add_dtype_argument(parser, default="float32")
-    add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
+    add_server_arguments(parser, dtype_default="float32")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help=f"require this Bearer key on /v1 (default: env {API_KEY_ENV})")
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
-    add_placement_argument(parser)
     parser.set_defaults(run=run)
 
 
