@@ -51,6 +51,7 @@ class CPConfig(BaseModel):
     cp_size: int = Field(default=1, ge=1)
     cp_strategy: CPStrategyName | None = None
     cp_impl: CPImplName = "auto"
+    ep_size: int = Field(default=1, ge=1)  # 1, or cp_size: routed experts partitioned across the CP group
 
     @model_validator(mode="after")
     def _strategy_required(self) -> CPConfig:
@@ -58,6 +59,9 @@ class CPConfig(BaseModel):
             raise ValueError(
                 "cp_strategy is required when enable_prefill_cp is true; allowed values: 'zigzag', 'interleave'"
             )
+        if self.ep_size not in (1, self.cp_size):
+            raise ValueError(f"ep_size={self.ep_size} is not supported with cp_size={self.cp_size};"
+                             f" allowed values: 1, {self.cp_size} (experts partitioned across the CP group)")
         return self
 
 
@@ -87,6 +91,11 @@ class ResolvedCPConfig:
     cp_size: int
     strategy: str | None  # "zigzag" | "interleave" (None only when CP is disabled)
     impl: str  # "legacy" | "v2"
+    ep_size: int = 1  # 1 or cp_size
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep_size > 1
 
 
 def is_dsa_model(hf_config: Mapping[str, Any]) -> bool:
@@ -137,14 +146,23 @@ def resolve_cp_config(cp: CPConfig, hf_config: Mapping[str, Any]) -> ResolvedCPC
     """Resolve cp_impl="auto" once at start-up (an explicit cp_impl always wins) and check the family rules."""
     impl = default_cp_impl(cp, hf_config) if cp.cp_impl == "auto" else cp.cp_impl
     _check_mimo_v2(cp, impl, hf_config)
+    _check_expert_split(cp.ep_size, hf_config)
     return ResolvedCPConfig(
-        enabled=cp.enable_prefill_cp, cp_size=cp.cp_size, strategy=cp.cp_strategy, impl=impl
+        enabled=cp.enable_prefill_cp, cp_size=cp.cp_size, strategy=cp.cp_strategy, impl=impl, ep_size=cp.ep_size
     )
 
 
+def _check_expert_split(ep_size: int, hf_config: Mapping[str, Any]) -> None:
+    """ep_size must divide the model's routed experts: every rank owns the same contiguous block."""
+    num_experts = hf_config.get("n_routed_experts") or 0
+    if ep_size > 1 and num_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide the model's n_routed_experts={num_experts}"
+                         f" ({num_experts} % {ep_size} = {num_experts % ep_size}); allowed values: 1 or a divisor")
+
+
 def resolve_cp_settings(settings: Any, model_dir: Path) -> ResolvedCPConfig:
-    """CP settings (CLI flags or ServeAppArgs: `cp_size`, `cp_strategy`, `cp_impl`) resolved against the model's
+    """CP settings (CLI flags or ServeAppArgs: `cp_size`, `cp_strategy`, `cp_impl`, `ep_size`) resolved against the model's
     config.json, with prefill CP on; one-line errors naming the field."""
     fields = {"enable_prefill_cp": True, "cp_size": settings.cp_size, "cp_strategy": settings.cp_strategy,
-              "cp_impl": settings.cp_impl}
+              "cp_impl": settings.cp_impl, "ep_size": settings.ep_size}
     return resolve_cp_config(parse_cp_config(fields), json.loads((model_dir / "config.json").read_text()))

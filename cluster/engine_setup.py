@@ -49,7 +49,7 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
                          f"got {options.prefill_token_budget}")
     return Scheduler(SchedulerConfig(
         cp.cp_size, options.num_pages, options.page_size, options.prefill_token_budget, strategy, cp.impl,
-        options.num_speculative_steps, options.max_steps_per_call, options.return_logits,
+        options.num_speculative_steps, options.max_steps_per_call, options.return_logits, cp.expert_parallel,
     ))
 
 

@@ -67,7 +67,7 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
         raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "
                            "(placement_group_bundles); build the app with cluster.serve_app:app")
     workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
-                            options.page_size, options.threads_per_worker, bool(options.use_gpu))
+                            options.page_size, options.threads_per_worker, bool(options.use_gpu), cp.ep_size)
     metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
     return engine_over_workers(model_dir, cp, options, workers, metrics, text)
 

@@ -42,6 +42,7 @@ class ServeAppArgs(BaseModel):
     cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
     cp_strategy: CPStrategyName = "zigzag"
     cp_impl: CPImplName = "auto"
+    ep_size: int = Field(1, ge=1)  # 1, or cp_size: the routed experts partitioned across the CP group
     speculative_num_steps: int = Field(0, ge=0, le=MAX_SPECULATIVE_STEPS)
     dtype: DTypeName = "float32"
     device: DeviceName = "cpu"

@@ -38,6 +38,7 @@ class GenerationEngine:
         self._wake: asyncio.Event | None = None
         self._last_progress = time.monotonic()
         self._last_step_end = 0.0
+        self._group_error: str | None = None
 
     @property
     def free_pages(self) -> list[int]:
@@ -82,6 +83,8 @@ class GenerationEngine:
     async def check_health(self) -> None:
         if self._task is not None and self._task.done():
             raise RuntimeError(f"engine step loop stopped: {self._task.exception()!r}")
+        if self._group_error is not None:
+            raise RuntimeError(self._group_error)
         if self.scheduler.has_work() and time.monotonic() - self._last_progress > self.stuck_after_s:
             raise RuntimeError(f"engine step loop stuck: no step finished for {self.stuck_after_s:g}s")
         try:
@@ -129,6 +132,7 @@ class GenerationEngine:
                 await self.step()
             except Exception as exc:  # an engine failure ends every request; the loop keeps serving
                 self._fail_all(exc)
+                await self._rejoin_group()
             await asyncio.sleep(0)
 
     async def step(self) -> None:
@@ -139,7 +143,9 @@ class GenerationEngine:
             await asyncio.sleep(0.001)
             return
         ranks = list(step.plans)
-        results = await asyncio.gather(*[self.workers[r].step.remote(step.plans[r]) for r in ranks])
+        results = await asyncio.gather(*[self.workers[r].step.remote(step.plans[r]) for r in ranks],
+                                       return_exceptions=True)
+        raise_step_failure(ranks, results)
         for observer in self.step_observers:
             if inspect.isawaitable(seen := observer(step, results)):
                 await seen
@@ -173,8 +179,34 @@ class GenerationEngine:
         for cp_rank, free in enumerate(self.scheduler.free_pages()):
             self.metrics.set_kv_pages(cp_rank, cfg.num_pages - free, cfg.num_pages)
 
+    async def _rejoin_group(self) -> None:
+        """After a failed step: every rank leaves its (possibly broken) group and joins a fresh one."""
+        if len(self.workers) < 2:
+            return
+        try:
+            master_addr, master_port = await self.workers[0].rendezvous_address.remote()
+            await asyncio.gather(*[w.rejoin.remote(master_addr, master_port) for w in self.workers])
+        except Exception as exc:  # noqa: BLE001 - a rank is gone: health checks report it from here on
+            self._group_error = f"rank group could not be re-formed: {one_line(exc)}"
+
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self.streams.items()):
             stream.fail(RuntimeError(f"engine step failed: {error!r}"))
             self.scheduler.finish(request_id)
         self.streams.clear()
+
+
+class StepFailedError(RuntimeError):
+    """A step failed on one or more ranks (every rank of a lockstep step stops with it)."""
+
+
+def raise_step_failure(ranks: list[int], results: list) -> None:
+    """One clear error for a failed step: the rank that failed first (not one that only lost its peer)."""
+    failures = [(r, res) for r, res in zip(ranks, results) if isinstance(res, BaseException)]
+    if not failures:
+        return
+    causes = [f for f in failures if "left the step" not in str(f[1])] or failures
+    cp_rank, error = causes[0]
+    others = sorted(r for r, _ in failures if r != cp_rank)
+    also = f"; ranks {others} stopped with it" if others else ""
+    raise StepFailedError(f"step failed on cp_rank {cp_rank}: {one_line(error)}{also}") from None

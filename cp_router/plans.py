@@ -63,6 +63,10 @@ class StepPlan:
     free: tuple[str, ...] = ()  # requests whose rank-side state (MTP draft state) is dropped before anything else
     num_steps: int = 1  # decode steps run inside this one call (the engine saves Ray round trips)
     num_speculative_steps: int = 0  # k MTP draft tokens verified per decode step (0: plain decode)
+    # Expert parallelism (lockstep): rows each rank brings to this step's prefill forward (() = none / no EP),
+    # and whether the group decodes this step (a rank without requests of its own joins with zero rows).
+    group_prefill_rows: tuple[int, ...] = ()
+    group_decode: bool = False
 
 
 @dataclass

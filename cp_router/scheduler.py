@@ -17,7 +17,7 @@ page tables; ranks never allocate.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cp_router.pages import PageAllocator, pages_for
 from cp_router.plans import DecodeItem, RequestOutput, StepPlan
@@ -37,6 +37,7 @@ class SchedulerConfig:
     num_speculative_steps: int = 0
     max_steps_per_call: int = 4  # decode steps per worker call when nothing else waits
     return_logits: bool = False  # ranks ship full-vocabulary logits back (tests, debugging)
+    expert_parallel: bool = False  # ep_size = cp_size: every rank takes part in every forward (lockstep)
 
 
 @dataclass
@@ -112,18 +113,30 @@ class Scheduler:
                                             cfg.page_size)
         batch = plan_prefill_batch(self)
         plans = self._decode_plans(decoding, num_steps)
-        if batch is not None:
-            for cp_rank, shard in build_prefill_batch(self, batch).items():
-                plans[cp_rank] = StepPlan(prefill=shard, decode=plans.get(cp_rank, StepPlan()).decode,
-                                          return_logits=cfg.return_logits, num_steps=num_steps,
-                                          num_speculative_steps=cfg.num_speculative_steps)
+        shards = build_prefill_batch(self, batch) if batch is not None else {}
+        for cp_rank, shard in shards.items():
+            plans[cp_rank] = StepPlan(prefill=shard, decode=plans.get(cp_rank, StepPlan()).decode,
+                                      return_logits=cfg.return_logits, num_steps=num_steps,
+                                      num_speculative_steps=cfg.num_speculative_steps)
+        if cfg.expert_parallel and (shards or decoding):
+            plans = self._lockstep_plans(plans, shards, bool(decoding), num_steps)
         for cp_rank, request_ids in self.pending_free.items():
             if request_ids:
-                base = plans.get(cp_rank, StepPlan())
-                plans[cp_rank] = StepPlan(base.prefill, base.decode, base.return_logits, tuple(sorted(request_ids)),
-                                          base.num_steps, base.num_speculative_steps)
+                plans[cp_rank] = replace(plans.get(cp_rank, StepPlan()), free=tuple(sorted(request_ids)))
                 request_ids.clear()
         return ScheduledStep(plans, batch, [s.request_id for s in decoding], preempted)
+
+    def _lockstep_plans(self, plans: dict[int, StepPlan], shards: dict, decoding: bool,
+                        num_steps: int) -> dict[int, StepPlan]:
+        """Expert parallelism: a plan for every rank, each naming the rows every rank brings to the prefill
+        forward and whether the group decodes, so that ranks without work of their own join in lockstep."""
+        cfg = self.config
+        prefill_rows = tuple(shards[r].meta.num_logical if r in shards else 0 for r in range(cfg.cp_size)) \
+            if shards else ()
+        base = StepPlan(return_logits=cfg.return_logits, num_steps=num_steps,
+                        num_speculative_steps=cfg.num_speculative_steps)
+        return {r: replace(plans.get(r, base), group_prefill_rows=prefill_rows, group_decode=decoding)
+                for r in range(cfg.cp_size)}
 
     def _growth(self, num_steps: int) -> int:
         return num_steps * (self.config.num_speculative_steps + 1)

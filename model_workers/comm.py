@@ -1,12 +1,15 @@
 """The one module that imports torch.distributed: the CP process group, and its single-process stand-in.
 
-A comm gathers equal-sized row blocks from every CP rank (`all_gather_rows`) and keeps counters of what
-the collectives cost: bytes received from other ranks and seconds spent, per tag ("kv" for the per-layer
-latent / indexer-key gathers, "hidden" for the gathers before logits and MTP).
+A comm gathers equal-sized row blocks from every CP rank (`all_gather_rows`), sums row blocks back to their
+rank (`reduce_scatter_rows`), exchanges uneven row blocks (`all_to_all_rows`) and small integer lists
+(`all_gather_ints`), and keeps counters of what the collectives cost: bytes received from other ranks and
+seconds spent, per tag ("kv" for the per-layer latent / indexer-key gathers, "hidden" for the gathers before
+logits and MTP, "experts" for the expert-parallel exchanges, "rows" for the lockstep row counts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from dataclasses import dataclass, field
@@ -21,6 +24,10 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer left the group (it raised and broke the group, or its process died)."""
 
 
 @dataclass
@@ -46,6 +53,22 @@ class LocalComm:
     def all_gather_rows(self, x_padded: torch.Tensor, tag: str = "other") -> torch.Tensor:
         """[P, ...] (P equal on every rank) -> [cp_size * P, ...] rank-major."""
         return x_padded
+
+    def reduce_scatter_rows(self, x: torch.Tensor, tag: str = "other") -> torch.Tensor:
+        """[cp_size * P, ...] rank-major -> [P, ...]: this rank's block summed over every rank."""
+        return x
+
+    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                        tag: str = "other") -> torch.Tensor:
+        """Rows [sum(send_rows), ...], block j to rank j -> [sum(recv_rows), ...], block j from rank j."""
+        return x
+
+    def all_gather_ints(self, values: list[int], tag: str = "rows") -> list[list[int]]:
+        """Every rank's list of len(values) integers, by rank."""
+        return [list(values)]
+
+    def abort(self) -> None:
+        """Breaks the group at once so peers blocked in a collective fail instead of waiting (a rank raised)."""
 
     def reset_stats(self) -> CommStats:
         """Returns the counters gathered so far and starts new ones."""
@@ -76,15 +99,57 @@ class ProcessGroupComm(LocalComm):
     def all_gather_rows(self, x_padded: torch.Tensor, tag: str = "other") -> torch.Tensor:
         x_padded = x_padded.contiguous()
         gathered = x_padded.new_empty((self.cp_size * x_padded.shape[0], *x_padded.shape[1:]))  # [C*P, ...]
+        with self._counted(tag, gathered, x_padded):
+            dist.all_gather_single(gathered, x_padded)
+        return gathered
+
+    def reduce_scatter_rows(self, x: torch.Tensor, tag: str = "other") -> torch.Tensor:
+        x = x.contiguous()
+        mine = x.new_empty((x.shape[0] // self.cp_size, *x.shape[1:]))  # [P, ...]
+        with self._counted(tag, x, mine):
+            dist.reduce_scatter_tensor(mine, x)
+        return mine
+
+    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                        tag: str = "other") -> torch.Tensor:
+        x = x.contiguous()
+        received = x.new_empty((sum(recv_rows), *x.shape[1:]))  # [sum(recv_rows), ...]
+        own = recv_rows[self.cp_rank] * (received[0].numel() if received.shape[0] else 0)
+        with self._counted(tag, received, own_elements=own):
+            dist.all_to_all_single(received, x, list(recv_rows), list(send_rows))
+        return received
+
+    def all_gather_ints(self, values: list[int], tag: str = "rows") -> list[list[int]]:
+        local = torch.tensor(values, dtype=torch.long, device=self.device)  # [n]
+        return self.all_gather_rows(local, tag).view(self.cp_size, -1).tolist()
+
+    def abort(self) -> None:
+        """gloo: destroying the group closes its connections, and peers in a collective fail at once. NCCL: the
+        communicators are aborted (destroying them could wait on the collective in flight)."""
+        if not dist.is_initialized():
+            return
+        abort_nccl = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if self.device.type == "cuda" and abort_nccl is not None:
+            abort_nccl()
+        else:
+            dist.destroy_process_group()
+
+    @contextlib.contextmanager
+    def _counted(self, tag: str, received: torch.Tensor, own: torch.Tensor | None = None, own_elements: int = 0):
+        """Times one collective and counts the bytes of `received` that came from other ranks."""
         start = time.perf_counter()
-        dist.all_gather_single(gathered, x_padded)
+        try:
+            yield
+        except Exception as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CollectiveError(f"{tag} collective failed: {first_line[:300]}") from exc
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
-        received = (self.cp_size - 1) * x_padded.numel() * x_padded.element_size()
-        self.stats.bytes_by_tag[tag] = self.stats.bytes_by_tag.get(tag, 0) + received
-        return gathered
+        own_elements = own.numel() if own is not None else own_elements
+        moved = (received.numel() - own_elements) * received.element_size()
+        self.stats.bytes_by_tag[tag] = self.stats.bytes_by_tag.get(tag, 0) + moved
 
     def destroy(self) -> None:
         if dist.is_initialized():

@@ -1,9 +1,13 @@
 """The CP worker: the body of one Ray actor = one process = one CP rank.
 
-It loads the checkpoint (attention replicated on every rank), holds a paged cache and the CP group, and runs
-one `StepPlan` per step: its shard of a prefill batch, then its own decode batch. It never allocates KV pages:
-every plan names the pages each request writes (the engine's scheduler owns them). Between steps it keeps only
-what the model needs of the requests it owns: their sampling parameters and MTP draft state.
+It loads the checkpoint (attention replicated on every rank; with expert parallelism only its own block of
+routed experts), holds a paged cache and the CP group, and runs one `StepPlan` per step: its shard of a prefill
+batch, then its own decode batch. Under expert parallelism every rank runs every step's forwards in lockstep:
+a rank outside a one-rank prefill, or without requests of its own, joins the MoE exchanges with zero rows.
+It never allocates KV pages: every plan names the pages each request writes (the engine's scheduler owns
+them). Between steps it keeps only what the model needs of the requests it owns: their sampling parameters
+and MTP draft state. A rank that raises inside a step breaks the group (`comm.abort`) so that no peer waits
+in a collective; the engine then re-forms it (`rejoin`).
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
 from model_workers.backends.cp_backend import CPBackend
-from model_workers.checkpoint.loader import load_model
-from model_workers.comm import LocalComm, ProcessGroupComm, free_port
+from model_workers.checkpoint.loader import LoadReport, load_model_with_report
+from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, free_port
 from model_workers.cp_prefill import PrefillContext, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
+from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
 from model_workers.kv_cache import PageTable
 from model_workers.phase_clock import PhaseClock
 from model_workers.precision import compute_dtype, storage_dtype
@@ -35,6 +40,8 @@ class CPWorker:
         self.runner: ModelRunner | None = None
         self.backend: CPBackend | None = None
         self.held: dict[str, HeldRequest] = {}
+        self.exchange: ExpertExchange | None = None
+        self.load_report: LoadReport | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Called on cp_rank 0: this node's address and a free port for the group's rendezvous."""
@@ -46,30 +53,67 @@ class CPWorker:
         """Joins the CP group (blocks until every rank has joined)."""
         if self.cp_size > 1:
             self.comm = ProcessGroupComm(master_addr, master_port, self.cp_rank, self.cp_size, self.device)
+            if self.exchange is not None:
+                self.exchange.comm = self.comm
 
-    def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64) -> dict:
-        """(Re)loads a checkpoint and a fresh cache of `num_pages` pages; requests held so far are dropped."""
+    def rejoin(self, master_addr: str, master_port: int) -> None:
+        """Leaves the group (broken by a failed step, or not) and joins a new one; drops every held request."""
+        self.comm.destroy()
+        self.held = {}
+        self.init_comm(master_addr, master_port)
+
+    def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64,
+             ep_size: int = 1) -> dict:
+        """(Re)loads a checkpoint and a fresh cache of `num_pages` pages; requests held so far are dropped.
+        ep_size = cp_size: this rank loads and runs only its block of every MoE layer's routed experts."""
+        if ep_size not in (1, self.cp_size):
+            raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {ep_size}")
         storage = storage_dtype(dtype)
-        model = load_model(model_dir, dtype=compute_dtype(storage, self.device), device=self.device,
-                           progress=False)
+        model, self.load_report = load_model_with_report(
+            model_dir, dtype=compute_dtype(storage, self.device), device=self.device, progress=False,
+            ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size)
+        self.exchange = ExpertExchange(self.comm) if ep_size > 1 else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
-                                  kv_dtype=storage)
-        self.backend = CPBackend(self.runner.cache)
+                                  kv_dtype=storage, exchange=self.exchange)
+        self.backend = CPBackend(self.runner.cache, self.exchange)
         self.held = {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
-                "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")}
+                "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                **self.weights_info()}
+
+    def weights_info(self) -> dict:
+        """What this rank holds: its routed experts, checkpoint bytes read (total and by weight class), and the
+        bytes of its loaded parameters."""
+        model = self.runner.model
+        experts = next((m.mlp.experts.expert_ids for m in model.model.layers if hasattr(m.mlp, "experts")), range(0))
+        return {"experts": [experts.start, experts.stop], "weight_bytes_read": self.load_report.total_bytes,
+                "weight_bytes_by_class": self.load_report.bytes_by_class(),
+                "parameter_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Runs this rank's prefill shard (if any), then its decode batch; reports outputs of owned requests."""
+        """Runs this rank's prefill shard (if any), then its decode batch; reports outputs of owned requests.
+        On an error the group is broken first, so peers fail their step too instead of waiting."""
+        try:
+            return self._step(plan)
+        except CollectiveError as exc:
+            self.comm.abort()
+            raise RuntimeError(f"cp_rank {self.cp_rank} left the step: {exc} (another rank failed first)") from exc
+        except Exception as exc:
+            self.comm.abort()
+            raise RuntimeError(f"cp_rank {self.cp_rank} failed the step: {type(exc).__name__}: {exc}") from exc
+
+    def _step(self, plan: StepPlan) -> StepResult:
         start, cpu_start = time.perf_counter(), time.process_time()
         result = StepResult(cp_rank=self.cp_rank)
         self.free(list(plan.free))
         if plan.prefill is not None:
             clock = PhaseClock()
             with clock.attached(self.runner.model, self.backend):
-                result.outputs.update(self._prefill(plan.prefill, plan.return_logits))
+                result.outputs.update(self._prefill(plan.prefill, plan.return_logits, plan.group_prefill_rows))
             result.prefill_phase_s = clock.split(time.perf_counter() - start, self.comm.stats.seconds)
-        if plan.decode:
+        elif plan.group_prefill_rows:
+            self._join_prefill(plan.group_prefill_rows)
+        if plan.decode or plan.group_decode:
             clock = DecodeClock()
             result.outputs.update(self._decode(plan, clock))
             result.decode_model_s, result.decode_steps = dict(clock.seconds), dict(clock.steps)
@@ -112,8 +156,10 @@ class CPWorker:
         self.comm.destroy()
 
     @torch.inference_mode()
-    def _prefill(self, shard: PrefillShard, return_logits: bool) -> dict[str, RequestOutput]:
+    def _prefill(self, shard: PrefillShard, return_logits: bool, group_rows: tuple[int, ...]) -> dict[str, RequestOutput]:
         comm = self.comm if shard.meta.cp_size > 1 else LocalComm()
+        if self.exchange is not None:  # target and MTP forward alike: this batch's rows on every rank
+            self.runner.begin_forward(0, True, self._prefill_rows(group_rows, shard.meta))
         tables = [PageTable(list(pages), prefix) for pages, prefix in zip(shard.page_tables, shard.meta.prefix_lens)]
         for table, extend_len in zip(tables, shard.meta.extend_lens):
             self.runner.cache.check_room(table, table.num_tokens + extend_len)
@@ -124,6 +170,20 @@ class CPWorker:
                 self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
                                                         ctx.draft_topk.get(req.request_id))
         return outputs
+
+    def _prefill_rows(self, group_rows: tuple[int, ...], meta) -> ForwardRows:
+        """CP prefill: every rank padded to the CP collective size; a one-rank prefill: DP rows (SUM_LEN)."""
+        if meta is not None and meta.cp_size > 1:
+            return cp_forward_rows(list(group_rows), meta.collective_rows)
+        return dp_forward_rows(list(group_rows), self.cp_rank, is_extend=True)
+
+    @torch.inference_mode()
+    def _join_prefill(self, group_rows: tuple[int, ...]) -> None:
+        """Another rank prefills alone: join its target forward's and MTP forward's expert exchanges."""
+        self.runner.begin_forward(0, True, self._prefill_rows(group_rows, None))
+        self.runner.model.join_experts(self.backend)
+        if self.runner.model.num_mtp_layers > 0:
+            self.runner.model.join_experts(self.backend, 0)
 
     @torch.inference_mode()
     def _decode(self, plan: StepPlan, clock: DecodeClock) -> dict[str, RequestOutput]:

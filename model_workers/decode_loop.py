@@ -8,6 +8,12 @@ h_i) and `draft_hidden` is its output at position n-1, which predicts t_{n+1}. O
    one more token comes from the target (correction or bonus);
 3. roll back both caches to n + m + 1 positions and draft-extend the MTP layer over positions n..n+m with
    the accepted tokens and their target hidden states (overwriting the temporary draft KV).
+
+Under expert parallelism (DESIGN.md section 9) decode is DP attention in lockstep: each rank decodes the
+requests it owns, but every MoE layer is a group exchange, so every rank runs the same forwards. Each step
+starts with one small all-gather of every rank's live request count (`group_counts`); the step runs while
+any rank has one, and a rank without any joins each forward with zero rows. The draft chain and the verify
+forward take their row counts from that all-gather; the draft-extend (accepted counts vary) agrees anew.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from cp_router.plans import RequestOutput
 from cp_router.sampling import SamplingParams
 from model_workers.backends.shared_topk import SharedTopkBackend, reuse_rows
+from model_workers.expert_parallel import dp_forward_rows
 from model_workers.kv_cache import PageTable
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.sampler import draft_token, sample, token_logprob, verify
@@ -86,11 +93,20 @@ class DecodeClock:
             self.seconds[phase] += time.perf_counter() - start
 
 
-def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bool, clock: DecodeClock) -> None:
-    """One token per request: target forward of [t_n] each, sample."""
+def group_rows(runner: ModelRunner, counts: list[int] | None, per_request: int, is_extend: bool):
+    """The expert exchange rows of a forward where every request brings `per_request` rows (None: no EP)."""
+    if counts is None:
+        return None
+    return dp_forward_rows([c * per_request for c in counts], runner.exchange.ep_rank, is_extend)
+
+
+def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bool, clock: DecodeClock,
+               counts: list[int] | None = None) -> None:
+    """One token per request: target forward of [t_n] each, sample. `counts`: live requests per rank (EP)."""
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
     with clock.timed("plain"):
-        hidden = runner.extend([ExtendItem(s.table, [s.last_token]) for s in states])  # [B, D]
+        items = [ExtendItem(s.table, [s.last_token]) for s in states]
+        hidden = runner.extend(items, is_extend=False, rows=group_rows(runner, counts, 1, False))  # [B, D]
         logits = model.logits(hidden)  # [B, V] float32
     clock.steps["plain"] += 1
     argmax = logits.argmax(-1).tolist()  # [B]
@@ -105,16 +121,19 @@ def sharing_backend(runner: ModelRunner, states: list[DecodeState]) -> SharedTop
     """The MTP index-sharing backend when the checkpoint asks for it (GLM-5.2), else None."""
     if not runner.model.config.index_share_for_mtp_iteration or any(s.held.draft_topk is None for s in states):
         return None
-    return SharedTopkBackend(runner.cache, runner.model.config.num_hidden_layers)
+    if not states:
+        return None
+    return SharedTopkBackend(runner.cache, runner.model.config.num_hidden_layers, runner.exchange)
 
 
 def draft_chain(
-    runner: ModelRunner, states: list[DecodeState], k: int, shared: SharedTopkBackend | None
+    runner: ModelRunner, states: list[DecodeState], k: int, shared: SharedTopkBackend | None,
+    counts: list[int] | None = None,
 ) -> tuple[list[list[int]], list[list]]:
     """k draft tokens per request (MTP layer on its own output hidden); returns drafts and their q's."""
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
     starts = [s.table.num_tokens for s in states]  # n per request
-    hidden = torch.stack([s.held.draft_hidden for s in states])  # [B, D]
+    hidden = torch.stack([s.held.draft_hidden for s in states]) if states else runner.empty_hidden()  # [B, D]
     drafts, probs = [[] for _ in states], [[] for _ in states]
     for j in range(k):
         draft_logits = model.mtp_logits(hidden)  # [B, V]
@@ -128,22 +147,27 @@ def draft_chain(
             if shared is not None:  # top-k of the last draft-extend row + the chain's own keys n..n+j
                 tables = [s.table for s in states]
                 shared.reuse = reuse_rows([s.held.draft_topk for s in states], tables, starts, j, runner.page_size)
-            hidden = runner.extend_mtp(items, hidden, [n + j for n in starts], backend=shared)  # [B, D]
+            hidden = runner.extend_mtp(items, hidden, [n + j for n in starts], backend=shared, is_extend=False,
+                                       rows=group_rows(runner, counts, 1, False))  # [B, D]
     return drafts, probs
 
 
-def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clock: DecodeClock) -> None:
-    """Draft k, verify k + 1 in one target forward, roll back, draft-extend the accepted tokens."""
+def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clock: DecodeClock,
+                     counts: list[int] | None = None) -> None:
+    """Draft k, verify k + 1 in one target forward, roll back, draft-extend the accepted tokens.
+    `counts`: live requests per rank (EP lockstep), else None."""
     model, cache, eos_ids = runner.model, runner.cache, runner.model.config.eos_token_ids
     starts = [s.table.num_tokens for s in states]  # n per request
     for state, n in zip(states, starts):
         cache.check_room(state.table, n + k + 1)
     shared = sharing_backend(runner, states)
     with clock.timed("draft"):
-        drafts, probs = draft_chain(runner, states, k, shared)
+        drafts, probs = draft_chain(runner, states, k, shared, counts)
     verify_items = [ExtendItem(s.table, [s.last_token] + d) for s, d in zip(states, drafts)]
     with clock.timed("verify"):
-        hidden = runner.extend(verify_items).view(len(states), k + 1, -1)  # [B, k+1, D]
+        verify_rows = group_rows(runner, counts, k + 1, True)
+        hidden = runner.extend(verify_items, rows=verify_rows)  # [B*(k+1), D]
+        hidden = hidden.view(len(states), k + 1, hidden.shape[-1])  # [B, k+1, D]
         logits = model.logits(hidden)  # [B, k+1, V]
     clock.steps["speculative"] += 1
     argmax = logits.argmax(-1).tolist()  # [B, k+1]
@@ -161,11 +185,12 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
             extend_rows.append(hidden[b, : accepted + 1])  # [m+1, D] target hidden at positions n..n+m
             extend_starts.append(n)
             extended.append(state)
-    if extended:
+    if extended or counts is not None:  # under EP every rank joins the draft-extend, rows or not
         if shared is not None:
             shared.reuse = None  # the draft-extend selects its own top-k and records it
         with clock.timed("draft"):
-            mtp_hidden = runner.extend_mtp(extend_items, torch.cat(extend_rows), extend_starts, backend=shared)
+            prev_hidden = torch.cat(extend_rows) if extend_rows else runner.empty_hidden()
+            mtp_hidden = runner.extend_mtp(extend_items, prev_hidden, extend_starts, backend=shared)
         ends = torch.tensor([len(it.token_ids) for it in extend_items]).cumsum(0) - 1  # [B'] last row each
         for state, row in zip(extended, ends.tolist()):
             state.held.draft_hidden = mtp_hidden[row]  # [D]
@@ -183,11 +208,17 @@ def run_decode(
         state.out.accepted_per_position = [0] * (k if use_mtp else 0)
     for _ in range(num_steps):
         active = [s for s in states if not s.finished and s.budget > 0]
-        if not active:
+        counts = group_counts(runner, len(active))
+        if not (active if counts is None else sum(counts)):
             break
         if use_mtp:
-            speculative_step(runner, active, k, clock)
+            speculative_step(runner, active, k, clock, counts)
         else:
-            plain_step(runner, active, return_logits, clock)
+            plain_step(runner, active, return_logits, clock, counts)
     return {s.request_id: s.out for s in states}
+
+
+def group_counts(runner: ModelRunner, num_active: int) -> list[int] | None:
+    """Expert parallelism: every rank's live request count this step (one small all-gather); else None."""
+    return None if runner.exchange is None else runner.exchange.sync_rows(num_active)
 

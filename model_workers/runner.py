@@ -3,6 +3,9 @@
 Prefill, chunked prefill (a cached prefix), decode and multi-token verification are all "extend": each
 request appends some tokens at positions table.num_tokens.. and its queries see every earlier key. The
 caller's page tables must already hold pages for the new positions (the scheduler's, or a test's allocator).
+
+Under expert parallelism (an `ExpertExchange`) every forward is a group forward: the ranks first agree on
+each rank's row count (or the caller passes them), and a rank with no rows still joins every MoE layer.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from cp_router.pages import pages_for
 from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
+from model_workers.expert_parallel import ExpertExchange, ForwardRows, dp_forward_rows
 from model_workers.kv_cache import PagedKVCache, PageTable
 from model_workers.model.decoder import DSAForCausalLM
 
@@ -45,8 +49,8 @@ def build_forward_batch(items: list[ExtendItem], page_size: int, device) -> Forw
 
 class ModelRunner:
     def __init__(self, model: DSAForCausalLM, num_pages: int, page_size: int = 64, device="cpu",
-                 kv_dtype: torch.dtype | None = None):
-        """kv_dtype: the cache's dtype (default: the model's)."""
+                 kv_dtype: torch.dtype | None = None, exchange: ExpertExchange | None = None):
+        """kv_dtype: the cache's dtype (default: the model's); exchange: the expert-parallel group, if any."""
         config = model.config
         self.model, self.device, self.page_size = model, torch.device(device), page_size
         indexed = [t == "full" for t in config.indexer_types] + [True] * model.num_mtp_layers
@@ -54,7 +58,8 @@ class ModelRunner:
         self.cache = PagedKVCache(
             num_pages, page_size, config.latent_dim, config.index_head_dim, indexed, dtype, self.device
         )
-        self.backend = TorchBackend(self.cache)
+        self.exchange = exchange
+        self.backend = TorchBackend(self.cache, exchange)
 
     def standalone_tables(self, lens: list[int]) -> list[PageTable]:
         """Empty page tables for requests of up to `lens` tokens on disjoint pages 0.. of this cache, for a runner
@@ -68,11 +73,25 @@ class ModelRunner:
             raise ValueError(f"{sum(lens)} tokens need {first} pages; the cache has {self.cache.num_pages}")
         return tables
 
+    def begin_forward(self, num_rows: int, is_extend: bool, rows: ForwardRows | None = None) -> ForwardRows | None:
+        """Expert parallelism: fixes every rank's rows for the next forward (`rows`, or agreed now: one small
+        collective). `is_extend` must be the same on every rank (it picks the padding mode). None without EP."""
+        if self.exchange is None:
+            return None
+        if rows is None:
+            rows = dp_forward_rows(self.exchange.sync_rows(num_rows), self.exchange.ep_rank, is_extend)
+        self.exchange.begin_forward(rows)
+        return rows
+
     @torch.inference_mode()
-    def extend(self, items: list[ExtendItem]) -> torch.Tensor:
+    def extend(self, items: list[ExtendItem], is_extend: bool = True, rows: ForwardRows | None = None) -> torch.Tensor:
         """Runs the target model on the new tokens; returns final-normed hidden [sum(new), hidden]."""
         for item in items:
             self.cache.check_room(item.table, item.table.num_tokens + len(item.token_ids))
+        num_rows = sum(len(item.token_ids) for item in items)
+        self.begin_forward(num_rows, is_extend, rows)
+        if num_rows == 0:
+            return self._join(None)
         batch = build_forward_batch(items, self.page_size, self.device)
         ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, batch.positions, self.backend.bind(batch))
@@ -88,6 +107,8 @@ class ModelRunner:
         tables_start: list[int],
         mtp_index: int = 0,
         backend: TorchBackend | None = None,
+        is_extend: bool = True,
+        rows: ForwardRows | None = None,
     ) -> torch.Tensor:
         """Runs MTP layer `mtp_index` on (t_{i+1}, h_i) rows at positions tables_start[r].. of each request.
 
@@ -97,7 +118,22 @@ class ModelRunner:
         shifted = [ExtendItem(PageTable(it.table.pages, start), it.token_ids) for it, start in zip(items, tables_start)]
         for item in shifted:
             self.cache.check_room(item.table, item.table.num_tokens + len(item.token_ids))
+        num_rows = sum(len(item.token_ids) for item in items)
+        self.begin_forward(num_rows, is_extend, rows)
+        if num_rows == 0:
+            return self._join(mtp_index)
         batch = build_forward_batch(shifted, self.page_size, self.device)
         ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
         backend = (backend or self.backend).bind(batch)  # another backend: e.g. MTP index sharing
         return self.model.mtp_forward(ids, prev_hidden, batch.positions, backend, mtp_index)
+
+    def _join(self, mtp_index: int | None) -> torch.Tensor:
+        """A forward with no rows here: join the group's expert exchanges (EP), return hidden [0, D]."""
+        if self.exchange is not None:
+            self.model.join_experts(self.backend, mtp_index)
+        return self.empty_hidden()
+
+    def empty_hidden(self) -> torch.Tensor:
+        """Hidden states of no rows, [0, D] in the model's dtype."""
+        weight = self.model.model.embed_tokens.weight
+        return weight.new_zeros((0, weight.shape[1]))

@@ -36,7 +36,7 @@ from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
 
 READY_TIMEOUT_S = 300
-SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ray_address", "speculative_num_steps", "dtype",
+SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "ray_address", "speculative_num_steps", "dtype",
                "device", "engine_placement", "concurrency", "num_prompts", "max_tokens", "prompt_len", "warmup", "skip_in_process",
                "skip_transformers")  # the result's `command` (never --api-key)
 

@@ -16,6 +16,9 @@ def add_cp_arguments(parser: argparse.ArgumentParser, required: bool = False) ->
                         help="context-parallel ranks (one Ray actor each); runs through Ray when given")
     parser.add_argument("--cp-strategy", choices=get_args(CPStrategyName), default="zigzag")
     parser.add_argument("--cp-impl", choices=get_args(CPImplName), default="auto")
+    parser.add_argument("--ep-size", type=int, default=1,
+                        help="expert parallelism: 1 (every rank holds every expert) or the cp size (each rank"
+                             " holds n_routed_experts / cp_size experts; decode runs in lockstep)")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
 
 

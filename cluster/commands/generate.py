@@ -126,7 +126,7 @@ def run_generate(args: argparse.Namespace, model_dir: Path) -> list[dict]:
         finally:
             group.shutdown()
     for result in results:
-        result.update(cp_size=cp.cp_size, cp_strategy=cp.strategy, cp_impl=cp.impl)
+        result.update(cp_size=cp.cp_size, cp_strategy=cp.strategy, cp_impl=cp.impl, ep_size=cp.ep_size)
     return results
 
 

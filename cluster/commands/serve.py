@@ -36,7 +36,7 @@ def app_args(args: argparse.Namespace):
     from cluster.serve_app import validate_args
 
     fields = {"model": args.model, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
-              "cp_impl": args.cp_impl, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
+              "cp_impl": args.cp_impl, "ep_size": args.ep_size, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
               "device": args.device, "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
     return validate_args(fields)
 

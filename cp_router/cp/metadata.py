@@ -26,10 +26,8 @@ from cp_router.cp.padding import (
     CP_IMPLS,
     IMPL_LEGACY,
     IMPL_V2,
-    DPPaddingMode,
-    ceil_align,
     ceil_div,
-    dp_padding_mode,
+    dp_padded_rows,
     pad_local_rows,
     physical_token_counts,
     split_rows,
@@ -218,9 +216,7 @@ def cal_padded_tokens(
         raise ValueError(
             f"dp_token_counts[{dp_rank}]={counts[dp_rank]} must equal the batch's num_tokens={meta.num_tokens}"
         )
-    aligned = [ceil_align(n, meta.align) for n in counts]
-    mode = dp_padding_mode(counts, is_extend_batch)
-    num_rows = max(aligned) if mode is DPPaddingMode.MAX_LEN else aligned[dp_rank]
+    num_rows = dp_padded_rows(counts, dp_rank, is_extend_batch, meta.align)
     if meta.strategy == STRATEGY_INTERLEAVE:
         return ceil_div(num_rows, meta.cp_size)
     return num_rows

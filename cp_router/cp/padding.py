@@ -86,3 +86,13 @@ def dp_padding_mode(dp_token_counts: Sequence[int], is_extend_batch: bool) -> DP
     if 2 * sum(dp_token_counts) >= max(dp_token_counts) * dp_size:
         return DPPaddingMode.MAX_LEN
     return DPPaddingMode.SUM_LEN
+
+
+def dp_padded_rows(dp_token_counts: Sequence[int], dp_rank: int, is_extend_batch: bool, align: int = 1) -> int:
+    """Rows DP rank `dp_rank` sizes its buffers for: every DP rank's count aligned up to `align`, then the max
+    over DP ranks (MAX_LEN) or its own (SUM_LEN). The legacy branch of `cal_padded_tokens`, and the buffer size
+    of the expert exchange in DP-attention decode."""
+    aligned = [ceil_align(n, align) for n in dp_token_counts]
+    if dp_padding_mode(dp_token_counts, is_extend_batch) is DPPaddingMode.MAX_LEN:
+        return max(aligned)
+    return aligned[dp_rank]

@@ -32,8 +32,8 @@ def gather_rows_global(
 class CPBackend(TorchBackend):
     """Implements `model.backend.AttentionBackend` for one CP shard at a time."""
 
-    def __init__(self, cache: PagedKVCache):
-        super().__init__(cache)
+    def __init__(self, cache: PagedKVCache, exchange=None):
+        super().__init__(cache, exchange)
         self.meta: RankMetadata | None = None
         self.comm: LocalComm | None = None
         self.keep_topk_layers: frozenset[int] = frozenset()

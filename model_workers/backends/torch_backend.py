@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_workers.expert_parallel import ExpertExchange
 from model_workers.kv_cache import PagedKVCache
 from model_workers.model.sparse_ops import batched_causal_topk, causal_topk, sparse_mla_attention
 
@@ -31,10 +32,12 @@ class ForwardBatch:
 
 
 class TorchBackend:
-    """Implements `model.backend.AttentionBackend` for one `ForwardBatch` at a time."""
+    """Implements `model.backend.AttentionBackend` for one `ForwardBatch` at a time; with an `ExpertExchange`,
+    a MoE layer's routed experts run across the expert-parallel group."""
 
-    def __init__(self, cache: PagedKVCache):
+    def __init__(self, cache: PagedKVCache, exchange: ExpertExchange | None = None):
         self.cache = cache
+        self.exchange = exchange
         self.batch: ForwardBatch | None = None
 
     def bind(self, batch: ForwardBatch) -> "TorchBackend":
@@ -82,6 +85,11 @@ class TorchBackend:
                              .view_as(key_positions), -1)  # [B, n, k] slots
         real = row_ids >= 0
         out[row_ids[real], : picked.shape[2]] = picked[real]
+
+    def routed_experts(self, layer_id: int, x, expert_ids, weights, experts) -> torch.Tensor:
+        if self.exchange is None:
+            return experts(x, expert_ids, weights)
+        return self.exchange.combine(x, expert_ids, weights, experts)
 
     def attend(
         self, layer_id: int, q_latent: torch.Tensor, q_pe: torch.Tensor, topk_ids: torch.Tensor, scale: float

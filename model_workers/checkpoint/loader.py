@@ -2,7 +2,9 @@
 
 Streams tensor by tensor (never unpickles), stacks per-expert weights, dequantizes DeepSeek FP8
 block-quantized weights to the compute dtype, and fails with one line naming any missing, unexpected
-or mis-shaped tensor.
+or mis-shaped tensor. Under expert parallelism (`ep_size` > 1) a rank reads only the routed experts it owns:
+other experts' tensors are never read, and a fused expert tensor is read as the slice of its own experts.
+`LoadReport` counts the bytes read per tensor as stored (FP8 weights with their scales).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from model_workers.checkpoint.weight_classes import expert_of, is_fused_experts, owned_experts, weight_class
 from model_workers.model.config import ModelConfig, load_model_config
 from model_workers.model.decoder import DSAForCausalLM
 
@@ -60,22 +64,52 @@ def mtp_layout(config: ModelConfig, names: set[str], count: int) -> list[tuple[b
     return layout
 
 
+@dataclass
+class LoadReport:
+    """What one process read from the checkpoint: stored bytes per checkpoint tensor (scales included)."""
+
+    num_hidden_layers: int
+    bytes_read: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_read.values())
+
+    def bytes_by_class(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, size in self.bytes_read.items():
+            cls = weight_class(name, self.num_hidden_layers)
+            out[cls] = out.get(cls, 0) + size
+        return out
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True,
+    ep_rank: int = 0, ep_size: int = 1,
 ) -> DSAForCausalLM:
+    return load_model_with_report(model_dir, dtype, device, progress, ep_rank, ep_size)[0]
+
+
+def load_model_with_report(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True,
+    ep_rank: int = 0, ep_size: int = 1,
+) -> tuple[DSAForCausalLM, LoadReport]:
+    """The model of expert-parallel rank `ep_rank` of `ep_size` (all experts when ep_size = 1), and what it read."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
+    experts = owned_experts(config.n_routed_experts, ep_rank, ep_size)
     files = checkpoint_files(model_dir)
     names = set(files)
     num_mtp = count_mtp_layers(config, names)
     config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp)
     with torch.device("meta"):
-        model = DSAForCausalLM(config, mtp_layout(config, names, num_mtp))
+        model = DSAForCausalLM(config, mtp_layout(config, names, num_mtp), expert_ids=experts)
     model.to_empty(device=device)
     params = _target_tensors(model, dtype)
-    _fill(params, files, config, dtype, progress)
+    report = LoadReport(config.num_hidden_layers)
+    _fill(params, files, config, experts, report, progress)
     model.eval().requires_grad_(False)
-    return model
+    return model, report
 
 
 def _target_tensors(model: DSAForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -89,21 +123,25 @@ def _target_tensors(model: DSAForCausalLM, dtype: torch.dtype) -> dict[str, torc
     return targets
 
 
-def _fill(targets, files, config: ModelConfig, dtype, progress: bool) -> None:
+def _fill(targets, files, config: ModelConfig, experts: range, report: LoadReport, progress: bool) -> None:
     loaded: set[str] = set()
     skip = _ignorable(config, set(files))
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
-        if name not in skip and not name.endswith("weight_scale_inv"):
-            by_file.setdefault(file, []).append(name)
+        expert = expert_of(name)
+        if expert is not None and expert >= config.n_routed_experts:
+            raise CheckpointError(f"{name}: expert {expert} >= n_routed_experts={config.n_routed_experts}")
+        if name in skip or name.endswith("weight_scale_inv") or (expert is not None and expert not in experts):
+            continue  # another rank's expert: never read
+        by_file.setdefault(file, []).append(name)
     bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="loading weights", disable=not progress, unit="t")
     for file, names in by_file.items():
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in the index but missing")
         with safe_open(file, "pt") as handle:
             for name in names:
-                tensor = _read(handle, name, files, config)
-                loaded |= _copy_into(targets, name, tensor)
+                tensor = _read(handle, name, files, config, experts, report)
+                loaded |= _copy_into(targets, name, tensor, experts)
                 bar.update(1)
     bar.close()
     missing = sorted(set().union(*(_pieces(name, t) for name, t in targets.items())) - loaded)
@@ -119,15 +157,23 @@ def _ignorable(config: ModelConfig, names: set[str]) -> set[str]:
     return skip & names
 
 
-def _read(handle, name: str, files, config: ModelConfig) -> torch.Tensor:
-    tensor = handle.get_tensor(name)
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        scale_name = name.replace(".weight", ".weight_scale_inv")
-        if scale_name not in files or config.fp8_block_size is None:
-            raise CheckpointError(f"{name}: FP8 tensor without {scale_name} / quantization_config in config.json")
-        with safe_open(files[scale_name], "pt") as scale_handle:
-            tensor = dequantize_fp8_blocks(tensor, scale_handle.get_tensor(scale_name), config.fp8_block_size)
-    return tensor
+def _read(handle, name: str, files, config: ModelConfig, experts: range, report: LoadReport) -> torch.Tensor:
+    """One checkpoint tensor (a fused expert tensor: only the rows of `experts`), FP8 dequantized."""
+    fused = is_fused_experts(name)
+    tensor = handle.get_slice(name)[experts.start : experts.stop] if fused else handle.get_tensor(name)
+    report.bytes_read[name] = tensor.nbytes
+    if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tensor
+    scale_name = name.replace(".weight", ".weight_scale_inv") if name.endswith(".weight") else name + "_scale_inv"
+    if scale_name not in files or config.fp8_block_size is None:
+        raise CheckpointError(f"{name}: FP8 tensor without {scale_name} / quantization_config in config.json")
+    with safe_open(files[scale_name], "pt") as scale_handle:
+        scale = scale_handle.get_slice(scale_name)[experts.start : experts.stop] if fused else \
+            scale_handle.get_tensor(scale_name)
+    report.bytes_read[scale_name] = scale.nbytes
+    if fused:  # [E_local, out, in] with scales [E_local, out/b0, in/b1]
+        return torch.stack([dequantize_fp8_blocks(w, s, config.fp8_block_size) for w, s in zip(tensor, scale)])
+    return dequantize_fp8_blocks(tensor, scale, config.fp8_block_size)
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -146,7 +192,7 @@ def _pieces(target_name: str, target: torch.Tensor) -> set[str]:
     return {target_name}
 
 
-def _copy_into(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> set[str]:
+def _copy_into(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, experts: range) -> set[str]:
     """Copies a checkpoint tensor into its parameter; returns the pieces (see `_pieces`) it completed."""
     match = _EXPERT_KEY.match(name)
     if match:
@@ -158,10 +204,9 @@ def _copy_into(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor
             inner = targets.get(target_name, torch.empty(0, 2)).shape[1] // 2
             rows = slice(0, inner) if proj == "gate_proj" else slice(inner, 2 * inner)
         target = _lookup(targets, target_name, name)
-        if expert >= target.shape[0]:
-            raise CheckpointError(f"{name}: expert {expert} >= n_routed_experts={target.shape[0]}")
-        _checked_copy(target[expert][rows], tensor, name)
-        return {f"{target_name}#{expert}.{proj}"}
+        local = expert - experts.start
+        _checked_copy(target[local][rows], tensor, name)
+        return {f"{target_name}#{local}.{proj}"}
     target = _lookup(targets, name, name)
     _checked_copy(target, tensor, name)
     return _pieces(name, target)

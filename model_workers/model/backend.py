@@ -3,7 +3,8 @@
 The model computes projections; a backend decides where keys live (a paged cache, an in-memory batch
 for training, a cache filled from an all-gather under context parallelism) and how top-k selection and
 sparse attention run (torch on CPU/CUDA, flashinfer later). The model never imports torch.distributed:
-a context-parallel backend gathers keys inside `store_kv` and the model does not know.
+a context-parallel backend gathers keys inside `store_kv` and the model does not know; an expert-parallel
+one sends a MoE layer's rows to the ranks holding their experts inside `routed_experts`.
 """
 
 from __future__ import annotations
@@ -43,4 +44,14 @@ class AttentionBackend(Protocol):
 
         q_latent [T, H, kv_lora_rank] (q_nope folded through W_UK), q_pe [T, H, rope]; topk_ids [T, k'].
         score = scale·(q_latent·c_kv + q_pe·k_pe); returns softmax-weighted c_kv [T, H, kv_lora_rank].
+        """
+
+    def routed_experts(
+        self, layer_id: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts
+    ) -> torch.Tensor:
+        """Σ_k weights · expert_k(x) over every routed expert, wherever it is held.
+
+        x [T, hidden] (post-attention normed rows); expert_ids [T, k] global ids, weights [T, k] float32;
+        `experts` the layer's `Experts` module (the experts held by this process). Returns [T, hidden].
+        Without expert parallelism: `experts(x, expert_ids, weights)`.
         """

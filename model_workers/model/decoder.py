@@ -17,10 +17,10 @@ from model_workers.model.rope import RotaryTable
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, has_indexer: bool, sparse_mlp: bool):
+    def __init__(self, config: ModelConfig, has_indexer: bool, sparse_mlp: bool, expert_ids: range | None = None):
         super().__init__()
         self.self_attn = MLAttention(config, has_indexer)
-        self.mlp = MoE(config) if sparse_mlp else MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MoE(config, expert_ids) if sparse_mlp else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -28,7 +28,9 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] -> (x [T, hidden], top-k ids of this layer)."""
         attn_out, topk_ids = self.self_attn(self.input_layernorm(x), cos, sin, backend, layer_id, shared_topk)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), topk_ids
+        normed = self.post_attention_layernorm(x)
+        mlp_out = self.mlp(normed, backend, layer_id) if isinstance(self.mlp, MoE) else self.mlp(normed)
+        return x + mlp_out, topk_ids
 
 
 class SharedHead(nn.Module):
@@ -41,8 +43,8 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """h' = eh_proj([enorm(embed(t_{i+1})) ‖ hnorm(h_i)]) -> decoder layer -> shared_head.norm -> lm_head."""
 
-    def __init__(self, config: ModelConfig, sparse_mlp: bool, has_own_head: bool):
-        super().__init__(config, has_indexer=True, sparse_mlp=sparse_mlp)
+    def __init__(self, config: ModelConfig, sparse_mlp: bool, has_own_head: bool, expert_ids: range | None = None):
+        super().__init__(config, has_indexer=True, sparse_mlp=sparse_mlp, expert_ids=expert_ids)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
@@ -50,14 +52,14 @@ class MTPLayer(DecoderLayer):
 
 
 class DSABody(nn.Module):
-    def __init__(self, config: ModelConfig, mtp_layout: list[tuple[bool, bool]]):
+    def __init__(self, config: ModelConfig, mtp_layout: list[tuple[bool, bool]], expert_ids: range | None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layers: list[nn.Module] = [
-            DecoderLayer(config, config.indexer_types[i] == "full", config.mlp_layer_types[i] == "sparse")
+            DecoderLayer(config, config.indexer_types[i] == "full", config.mlp_layer_types[i] == "sparse", expert_ids)
             for i in range(config.num_hidden_layers)
         ]
-        layers += [MTPLayer(config, sparse, own_head) for sparse, own_head in mtp_layout]
+        layers += [MTPLayer(config, sparse, own_head, expert_ids) for sparse, own_head in mtp_layout]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -66,12 +68,14 @@ class DSAForCausalLM(nn.Module):
     """Pure torch: callers pass token ids, global positions and an attention backend.
 
     `mtp_layout` lists, per MTP layer present in the checkpoint, (MoE MLP?, own shared_head.head?).
+    `expert_ids`: the routed experts this process holds in every MoE layer (expert parallelism), default all.
     """
 
-    def __init__(self, config: ModelConfig, mtp_layout: list[tuple[bool, bool]] | None = None):
+    def __init__(self, config: ModelConfig, mtp_layout: list[tuple[bool, bool]] | None = None,
+                 expert_ids: range | None = None):
         super().__init__()
         self.config = config
-        self.model = DSABody(config, mtp_layout or [])
+        self.model = DSABody(config, mtp_layout or [], expert_ids)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config)
 
@@ -87,6 +91,16 @@ class DSAForCausalLM(nn.Module):
         for layer_id in range(self.config.num_hidden_layers):
             x, topk_ids = self.model.layers[layer_id](x, cos, sin, backend, layer_id, topk_ids)
         return self.model.norm(x)
+
+    def join_experts(self, backend, mtp_index: int | None = None) -> None:
+        """One forward's expert exchanges with no rows of this process: every MoE layer of the target body
+        (`mtp_index` None) or of MTP layer `mtp_index`, in forward order (DP-attention lockstep)."""
+        n = self.config.num_hidden_layers
+        layer_ids = range(n) if mtp_index is None else [n + mtp_index]
+        for layer_id in layer_ids:
+            mlp = self.model.layers[layer_id].mlp
+            if isinstance(mlp, MoE):
+                mlp.join(backend, layer_id)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab] in float32."""

@@ -65,21 +65,29 @@ class MoEGate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stored stacked: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+    """Routed experts stored stacked: gate_up_proj [E_local, 2I, hidden], down_proj [E_local, hidden, I].
 
-    def __init__(self, config: ModelConfig):
+    Under expert parallelism a rank holds the contiguous block `expert_ids` (global ids) of the layer's
+    n_routed_experts; without it, all of them. The forward sums only the experts held here.
+    """
+
+    def __init__(self, config: ModelConfig, expert_ids: range | None = None):
         super().__init__()
-        num, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.expert_ids = expert_ids if expert_ids is not None else range(config.n_routed_experts)
+        num, hidden, inner = len(self.expert_ids), config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inner))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; expert_ids, weights [T, k] -> Σ_k weight · expert(x) [T, hidden]."""
+        """x [T, hidden]; expert_ids (global, -1 = none), weights [T, k] -> Σ over held experts [T, hidden]."""
         out = torch.zeros_like(x)
-        flat_ids = expert_ids.reshape(-1)  # [T*k]
+        num_local = len(self.expert_ids)
+        local_ids = expert_ids - self.expert_ids.start  # [T, k]
+        held = (local_ids >= 0) & (local_ids < num_local)
+        flat_ids = torch.where(held, local_ids, num_local).reshape(-1)  # [T*k]; num_local = "not held here"
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_rows = order // expert_ids.shape[1]  # [T*k]
+        counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local].tolist()
+        token_rows = order // max(expert_ids.shape[1], 1)  # [T*k]
         flat_weights = weights.reshape(-1)[order]
         start = 0
         for expert, count in enumerate(counts):
@@ -95,16 +103,27 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Gate on this process's rows; the routed experts through `backend.routed_experts` (local, or across an
+    expert-parallel group); the shared experts once per row, here."""
+
+    def __init__(self, config: ModelConfig, expert_ids: range | None = None):
         super().__init__()
         self.gate = MoEGate(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, expert_ids)
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = MLP(config.hidden_size, shared) if shared > 0 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend, layer_id: int) -> torch.Tensor:
         expert_ids, weights = self.gate(x)
-        out = self.experts(x, expert_ids, weights)
+        out = backend.routed_experts(layer_id, x, expert_ids, weights, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def join(self, backend, layer_id: int) -> None:
+        """Takes part in this layer's expert exchange with no rows of its own (DP-attention lockstep)."""
+        weight = self.experts.down_proj
+        x = weight.new_zeros((0, weight.shape[1]))  # [0, hidden]
+        expert_ids = torch.zeros((0, self.gate.top_k), dtype=torch.long, device=weight.device)
+        weights = torch.zeros((0, self.gate.top_k), dtype=torch.float32, device=weight.device)
+        backend.routed_experts(layer_id, x, expert_ids, weights, self.experts)

@@ -43,6 +43,9 @@ class TrainingBackend:
         ids = picked.indices + (torch.arange(b) * s)[:, None, None]  # flattened key rows
         return torch.where(torch.isinf(picked.values), -1, ids).view(b * s, width)
 
+    def routed_experts(self, layer_id: int, x, expert_ids, weights, experts) -> torch.Tensor:
+        return experts(x, expert_ids, weights)  # training holds every expert
+
     def attend(self, layer_id: int, q_latent, q_pe, topk_ids: torch.Tensor, scale: float) -> torch.Tensor:
         if self.sparse:
             return self._sparse_attend(layer_id, q_latent, q_pe, topk_ids, scale)

@@ -70,23 +70,26 @@ class Cluster:
         self.groups: dict[int, CPGroup] = {}
         self.loaded: dict[int, tuple[str, str]] = {}
 
-    def group(self, cp_size: int, folder: Path, dtype: str = "float32") -> CPGroup:
+    def group(self, cp_size: int, folder: Path, dtype: str = "float32", ep_size: int = 1) -> CPGroup:
+        """The group of `cp_size` ranks with this checkpoint, dtype and expert parallelism loaded."""
+        wanted = (str(folder), dtype, ep_size)
         if cp_size not in self.groups:
-            cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy="zigzag", impl="legacy")
+            cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy="zigzag", impl="legacy", ep_size=ep_size)
             self.groups[cp_size] = launch_group(folder, cp, dtype, NUM_PAGES, PAGE_SIZE)
-        elif self.loaded[cp_size] != (str(folder), dtype):
+        elif self.loaded[cp_size] != wanted:
             workers = self.groups[cp_size].workers
-            ray.get([w.load.remote(str(folder), dtype, NUM_PAGES, PAGE_SIZE) for w in workers])
-        self.loaded[cp_size] = (str(folder), dtype)
+            ray.get([w.load.remote(str(folder), dtype, NUM_PAGES, PAGE_SIZE, ep_size) for w in workers])
+        self.loaded[cp_size] = wanted
         return self.groups[cp_size]
 
-    def engine(self, cp_size: int, folder: Path, strategy: str, impl: str, dtype: str = "float32", **options):
+    def engine(self, cp_size: int, folder: Path, strategy: str, impl: str, dtype: str = "float32", ep_size: int = 1,
+               **options):
         """A fresh engine over the group's workers with this CP layout (return_logits on: tests read them)."""
-        cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy=strategy, impl=impl)
+        cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy=strategy, impl=impl, ep_size=ep_size)
         settings = dict(dtype=dtype, num_pages=NUM_PAGES, page_size=PAGE_SIZE, return_logits=True,
                         prefill_token_budget=NUM_PAGES * PAGE_SIZE)
         return engine_over_workers(folder, cp, EngineOptions(**{**settings, **options}),
-                                   self.group(cp_size, folder, dtype).workers)
+                                   self.group(cp_size, folder, dtype, ep_size).workers)
 
     def shutdown(self) -> None:
         for group in self.groups.values():

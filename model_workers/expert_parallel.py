@@ -1,0 +1,119 @@
+"""Expert parallelism across the CP group (DESIGN.md section 9): the exchange behind `routed_experts`.
+
+Every rank holds the attention of the whole model and one contiguous block of every MoE layer's routed
+experts. A MoE layer runs in lockstep on all ranks: each rank brings its own rows (its CP shard in prefill,
+the requests it owns in decode, none at all when it has nothing to do), the rows reach every rank, each rank
+applies the experts it holds, and each row's partial sums come back to its rank and are added up. The shared
+experts stay with the caller (added once per row, on its own rank).
+
+Two collective shapes, chosen per forward by the DP padding mode of DESIGN.md section 5:
+* MAX_LEN (every rank padded to the same rows P): all-gather [C·P] rows -> experts -> reduce-scatter [P].
+* SUM_LEN (each rank its own count, zero allowed): all-to-all of the rows to every rank -> experts ->
+  all-to-all of each rank's partial sums back -> summed over ranks in rank order.
+A row travels with its routing (expert ids, weights) packed as raw bytes, so one collective moves all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cp_router.cp.padding import DPPaddingMode, dp_padded_rows, dp_padding_mode, pad_local_rows
+from model_workers.comm import LocalComm
+
+
+@dataclass(frozen=True)
+class ForwardRows:
+    """The rows every rank brings to the expert exchanges of one forward (equal on every rank)."""
+
+    rows_per_rank: tuple[int, ...]
+    mode: DPPaddingMode
+    padded_rows: int  # MAX_LEN: rows each rank passes to the all-gather (>= max rows_per_rank)
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows_per_rank)
+
+
+def dp_forward_rows(rows_per_rank: list[int], dp_rank: int, is_extend: bool) -> ForwardRows:
+    """A forward of DP-attention ranks (decode, verify, draft, a prefill run on one rank): the padding mode
+    and buffer rows of DESIGN.md section 5 (MAX_LEN when 2·sum >= max·dp, extend batches SUM_LEN)."""
+    mode = dp_padding_mode(rows_per_rank, is_extend)
+    return ForwardRows(tuple(rows_per_rank), mode, dp_padded_rows(rows_per_rank, dp_rank, is_extend))
+
+
+def cp_forward_rows(rows_per_rank: list[int], collective_rows: int) -> ForwardRows:
+    """A CP prefill forward: one batch sharded over the group, every rank padded to the CP collective size."""
+    return ForwardRows(tuple(rows_per_rank), DPPaddingMode.MAX_LEN, collective_rows)
+
+
+def pack_rows(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H], expert_ids [T, k], weights [T, k] float32 -> raw bytes [T, H·size + 8k] uint8."""
+    parts = [x.contiguous(), expert_ids.to(torch.int32).contiguous(), weights.float().contiguous()]
+    return torch.cat([p.view(torch.uint8) for p in parts], dim=1)  # [T, n·size] each: the last dim re-read
+
+
+def unpack_rows(packed: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype):
+    """The inverse of `pack_rows`: (x [T, H] dtype, expert_ids [T, k] int64, weights [T, k] float32)."""
+    x_bytes = hidden * torch.empty((), dtype=dtype).element_size()
+    x = packed[:, :x_bytes].contiguous().view(dtype)
+    expert_ids = packed[:, x_bytes : x_bytes + 4 * top_k].contiguous().view(torch.int32).long()
+    weights = packed[:, x_bytes + 4 * top_k :].contiguous().view(torch.float32)
+    return x, expert_ids, weights
+
+
+class ExpertExchange:
+    """The expert-parallel group of one rank: its comm, and the row counts of the forward now running."""
+
+    def __init__(self, comm: LocalComm):
+        self.comm = comm
+        self.rows: ForwardRows | None = None
+        self.layer_calls = 0  # exchanges run (tests and the lockstep-cost benchmark read it)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.comm.cp_rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.comm.cp_size
+
+    def sync_rows(self, num_rows: int) -> list[int]:
+        """Every rank's row count for the next forward (one small all-gather); all ranks get the same list."""
+        return [counts[0] for counts in self.comm.all_gather_ints([num_rows])]
+
+    def begin_forward(self, rows: ForwardRows) -> None:
+        if len(rows.rows_per_rank) != self.ep_size:
+            raise ValueError(f"{len(rows.rows_per_rank)} row counts for an expert-parallel group of {self.ep_size}")
+        self.rows = rows
+
+    def combine(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
+        """This rank's rows x [T, H] routed to every rank's experts -> Σ_k weight · expert(x) [T, H]."""
+        rows = self.rows
+        if rows is None:
+            raise RuntimeError("expert exchange without begin_forward: every rank must agree on the row counts")
+        if rows.rows_per_rank[self.ep_rank] != x.shape[0]:
+            raise RuntimeError(f"rank {self.ep_rank} brings {x.shape[0]} rows to a forward planned with"
+                               f" {rows.rows_per_rank[self.ep_rank]}")
+        self.layer_calls += 1
+        if rows.mode is DPPaddingMode.MAX_LEN:
+            return self._gather_scatter(x, expert_ids, weights, experts, rows.padded_rows)
+        return self._all_to_all(x, expert_ids, weights, experts, list(rows.rows_per_rank))
+
+    def _gather_scatter(self, x, expert_ids, weights, experts, padded_rows: int) -> torch.Tensor:
+        num_rows, hidden, top_k = x.shape[0], x.shape[1], expert_ids.shape[1]
+        packed = pack_rows(pad_local_rows(x, padded_rows), pad_local_rows(expert_ids, padded_rows, -1),
+                           pad_local_rows(weights, padded_rows))  # [P, B]; padding rows route nowhere
+        gathered = self.comm.all_gather_rows(packed, "experts")  # [C*P, B]
+        partial = experts(*unpack_rows(gathered, hidden, top_k, x.dtype))  # [C*P, H] this rank's experts
+        return self.comm.reduce_scatter_rows(partial, "experts")[:num_rows]  # [T, H]
+
+    def _all_to_all(self, x, expert_ids, weights, experts, rows_per_rank: list[int]) -> torch.Tensor:
+        num_rows, hidden, top_k, size = x.shape[0], x.shape[1], expert_ids.shape[1], self.ep_size
+        packed = pack_rows(x, expert_ids, weights)  # [T, B]
+        received = self.comm.all_to_all_rows(packed.repeat(size, 1), [num_rows] * size, rows_per_rank,
+                                             "experts")  # [S, B] every rank's rows, rank-major
+        partial = experts(*unpack_rows(received, hidden, top_k, x.dtype))  # [S, H]
+        returned = self.comm.all_to_all_rows(partial, rows_per_rank, [num_rows] * size, "experts")  # [C*T, H]
+        return returned.view(size, num_rows, hidden).sum(0)  # [T, H]
