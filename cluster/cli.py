@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.commands import bench, generate, serve, train
+from cluster.commands import bench, generate, plan, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(commands)
     bench.add_parser(commands)
     serve.add_parser(commands)
+    plan.add_parser(commands)
     return parser
 
 
