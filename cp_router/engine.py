@@ -131,8 +131,8 @@ class GenerationEngine:
             try:
                 await self.step()
             except Exception as exc:  # an engine failure ends every request; the loop keeps serving
+                await self._rejoin_group()  # the group is whole again before the requests hear of the failure
                 self._fail_all(exc)
-                await self._rejoin_group()
             await asyncio.sleep(0)
 
     async def step(self) -> None:

@@ -26,6 +26,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# A collective waits this long for its peers before failing: far above the compute between two collectives of
+# a step (one layer), and the bound on how long a peer of a rank that died mid-forward can wait.
+COLLECTIVE_TIMEOUT_S = 120
+
+
 class CollectiveError(RuntimeError):
     """A collective failed: a peer left the group (it raised and broke the group, or its process died)."""
 
@@ -83,7 +88,8 @@ class ProcessGroupComm(LocalComm):
     """The CP group: gloo on CPU, NCCL on CUDA, rendezvous over TCP at rank 0's address."""
 
     def __init__(
-        self, master_addr: str, master_port: int, cp_rank: int, cp_size: int, device: torch.device, timeout_s: int = 300
+        self, master_addr: str, master_port: int, cp_rank: int, cp_size: int, device: torch.device,
+        timeout_s: int = COLLECTIVE_TIMEOUT_S,
     ):
         super().__init__()
         self.cp_rank, self.cp_size, self.device = cp_rank, cp_size, torch.device(device)
@@ -124,15 +130,14 @@ class ProcessGroupComm(LocalComm):
         return self.all_gather_rows(local, tag).view(self.cp_size, -1).tolist()
 
     def abort(self) -> None:
-        """gloo: destroying the group closes its connections, and peers in a collective fail at once. NCCL: the
-        communicators are aborted (destroying them could wait on the collective in flight)."""
+        """Aborts the group's connections (peers blocked in a collective fail at once), then forgets it."""
         if not dist.is_initialized():
             return
-        abort_nccl = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if self.device.type == "cuda" and abort_nccl is not None:
-            abort_nccl()
-        else:
-            dist.destroy_process_group()
+        try:
+            dist.group.WORLD.abort()
+        except RuntimeError:  # a backend without abort: destroying the group closes its connections too
+            pass
+        dist.destroy_process_group()
 
     @contextlib.contextmanager
     def _counted(self, tag: str, received: torch.Tensor, own: torch.Tensor | None = None, own_elements: int = 0):

@@ -92,7 +92,18 @@ class CPWorker:
 
     def step(self, plan: StepPlan) -> StepResult:
         """Runs this rank's prefill shard (if any), then its decode batch; reports outputs of owned requests.
-        On an error the group is broken first, so peers fail their step too instead of waiting."""
+
+        A step with collectives starts with every rank checking its plan and all ranks agreeing (one small
+        all-gather): a plan one rank cannot run fails the step on every rank before any forward, the group
+        intact. An error later in the step breaks the group first, so peers fail too instead of waiting."""
+        self.free(list(plan.free))
+        problem = self._plan_problem(plan)
+        if plan_has_collectives(plan):
+            rejected = [r for r, (bad,) in enumerate(self.comm.all_gather_ints([problem is not None])) if bad]
+            if rejected and problem is None:
+                raise RuntimeError(f"cp_rank {self.cp_rank} left the step: cp_rank(s) {rejected} rejected their plan")
+        if problem is not None:
+            raise RuntimeError(f"cp_rank {self.cp_rank} rejected its step plan: {problem}")
         try:
             return self._step(plan)
         except CollectiveError as exc:
@@ -105,7 +116,6 @@ class CPWorker:
     def _step(self, plan: StepPlan) -> StepResult:
         start, cpu_start = time.perf_counter(), time.process_time()
         result = StepResult(cp_rank=self.cp_rank)
-        self.free(list(plan.free))
         if plan.prefill is not None:
             clock = PhaseClock()
             with clock.attached(self.runner.model, self.backend):
@@ -129,6 +139,24 @@ class CPWorker:
         """Drops the state of requests this rank owned (unknown ids are ignored: non-owners hold nothing)."""
         for request_id in request_ids:
             self.held.pop(request_id, None)
+
+    def _plan_problem(self, plan: StepPlan) -> str | None:
+        """What makes `plan` impossible on this rank (pages too few or outside the cache, a decode of a request
+        this rank does not hold), or None."""
+        cache = self.runner.cache
+        try:
+            if plan.prefill is not None:
+                meta = plan.prefill.meta
+                for pages, prefix, extend in zip(plan.prefill.page_tables, meta.prefix_lens, meta.extend_lens):
+                    cache.check_room(PageTable(list(pages), prefix), prefix + extend)
+            growth = plan.num_steps * (plan.num_speculative_steps + 1)  # what the scheduler grew pages for
+            for item in plan.decode:
+                if item.request_id not in self.held:
+                    raise KeyError(f"decode of request {item.request_id!r}, which this rank does not hold")
+                cache.check_room(PageTable(list(item.pages), item.num_cached), item.num_cached + growth)
+        except (KeyError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def ping(self) -> int:
         """The health probe: answers with this worker's cp_rank."""
@@ -161,8 +189,6 @@ class CPWorker:
         if self.exchange is not None:  # target and MTP forward alike: this batch's rows on every rank
             self.runner.begin_forward(0, True, self._prefill_rows(group_rows, shard.meta))
         tables = [PageTable(list(pages), prefix) for pages, prefix in zip(shard.page_tables, shard.meta.prefix_lens)]
-        for table, extend_len in zip(tables, shard.meta.extend_lens):
-            self.runner.cache.check_room(table, table.num_tokens + extend_len)
         ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size, self.device)
         outputs = run_prefill(ctx, shard, return_logits)
         for req in shard.requests:  # the owner keeps what decoding needs once the prompt is in the cache
@@ -194,3 +220,9 @@ class CPWorker:
             for item in plan.decode
         ]
         return run_decode(self.runner, states, plan.num_steps, plan.num_speculative_steps, plan.return_logits, clock)
+
+
+def plan_has_collectives(plan: StepPlan) -> bool:
+    """A step this rank runs with others: a CP prefill, or any forward under expert parallelism."""
+    cp_prefill = plan.prefill is not None and plan.prefill.meta.cp_size > 1
+    return cp_prefill or bool(plan.group_prefill_rows) or plan.group_decode

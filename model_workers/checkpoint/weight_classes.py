@@ -76,7 +76,7 @@ def fp8_quantized(name: str, not_converted: Iterable[str] = ()) -> bool:
         return False
     if any(module and module in name for module in not_converted):
         return False
-    return name.endswith(("_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
+    return name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
