@@ -27,7 +27,7 @@ from model_workers.precision import storage_dtype
 KV_GATHER_FORMULA = "(C-1)/C * L * layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes"
 KV_TOKEN_FORMULA = "layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes (MTP layer included)"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
-PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "prompt_len", "dtype", "repeats", "skip_equal_cores")
+PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "repeats", "skip_equal_cores")
 PATHS = {"served": "the prompt in chunks of prefill_chunk_tokens, one engine step each (what serve runs)",
          "one_batch": "the whole prompt as one prefill batch (one engine step)"}
 
@@ -147,7 +147,8 @@ def run_prefill(args: argparse.Namespace) -> int:
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
         "model": str(model_dir), "dtype": args.dtype, "device": args.device, "cpu_count": os.cpu_count(),
-        "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "repeats": args.repeats,
+        "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "ep_size": cp.ep_size,
+        "repeats": args.repeats,
         "prefill_chunk_tokens": ranks["prefill_chunk_tokens"], "paths": PATHS,
         "kv_gather_formula": KV_GATHER_FORMULA, "kv_token_formula": KV_TOKEN_FORMULA,
         "measured_kv_bytes_per_token": ranks["kv_bytes_per_token"],

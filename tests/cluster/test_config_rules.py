@@ -62,6 +62,9 @@ ERRORS = [
     ("unknown impl", cp("zigzag", "v3"), DSA_V32, ["cp_impl", "'auto'", "'legacy'", "'v2'"]),
     ("cp_size below 1", cp("zigzag", cp_size=0), DSA_V32, ["cp_size", "greater than or equal to 1"]),
     ("unknown field", {**cp("zigzag"), "cp_mode": "x"}, DSA_V32, ["cp_mode", "cp_strategy", "cp_impl"]),
+    ("ep_size neither 1 nor cp_size", {**cp("zigzag"), "ep_size": 2}, DSA_V32, ["ep_size=2", "cp_size=4", "1, 4"]),
+    ("ep_size must divide the experts", {**cp("zigzag"), "ep_size": 4}, {**DSA_V32, "n_routed_experts": 6},
+     ["ep_size=4", "n_routed_experts=6", "6 % 4 = 2"]),
 ]
 
 
@@ -96,3 +99,9 @@ def test_config_is_frozen_and_names_match_cp_router():
         config.cp_size = 2
     assert get_args(CPStrategyName) == CP_STRATEGIES
     assert get_args(CPImplName) == ("auto", *CP_IMPLS)
+
+
+def test_expert_parallelism_resolves_with_the_cp_group():
+    resolved = resolve_cp_config(parse_cp_config({**cp("zigzag"), "ep_size": 4}), {**DSA_V32, "n_routed_experts": 256})
+    assert resolved.ep_size == 4 and resolved.expert_parallel
+    assert not resolve_cp_config(parse_cp_config(cp("zigzag")), DSA_V32).expert_parallel

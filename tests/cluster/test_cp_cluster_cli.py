@@ -80,6 +80,8 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
         (["generate", "--prompt-ids", "5,6", "--cp-size", "0"], "cp_size"),
         (["generate", "--prompt-ids", "5,6,500", "--cp-size", "2"], "outside the vocabulary"),
         (["bench", "prefill", "--cp-size", "2", "--prompt-len", "0"], "--prompt-len values must be in 1..1048576"),
+        (["generate", "--prompt-ids", "5,6", "--cp-size", "2", "--ep-size", "3"], "ep_size=3 is not supported with"
+         " cp_size=2; allowed values: 1, 2"),
     ],
 )
 def test_cp_flag_errors_are_one_line(commands, capsys, argv, message):

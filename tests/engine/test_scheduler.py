@@ -122,3 +122,28 @@ def test_decode_plans_carry_room_for_the_call_and_rollback_trims_it():
     assert (item.num_cached, len(item.pages)) == (10, 6) and s.free_pages() == [32 - 6]
     s.apply(step, {"x": RequestOutput("x", 7, token_ids=[7, 7, 7])})  # 3 tokens accepted in all
     assert s.requests["x"].num_cached == 13 and len(s.requests["x"].pages[0]) == 4 and s.free_pages() == [28]
+
+
+def test_expert_parallel_steps_give_every_rank_a_lockstep_plan():
+    s = Scheduler(SchedulerConfig(3, 32, 4, 64, "zigzag", "legacy", 1, 4, expert_parallel=True))
+    s.add("short", [5, 6], SamplingParams(max_tokens=3))  # 2 tokens < 2C: one rank prefills, two join
+    step = s.schedule()
+    (runner,) = [r for r, plan in step.plans.items() if plan.prefill is not None]
+    assert sorted(step.plans) == [0, 1, 2]
+    assert all(plan.group_prefill_rows == tuple(2 if r == runner else 0 for r in range(3))
+               for plan in step.plans.values())
+    s.apply(step, outputs_for(step))
+    s.add("long", list(range(1, 31)), SamplingParams(max_tokens=3))  # a CP batch beside one decoding request
+    step = s.schedule()
+    assert sorted(step.plans) == [0, 1, 2] and all(plan.group_decode for plan in step.plans.values())
+    rows = [plan.prefill.meta.num_logical for _, plan in sorted(step.plans.items())]
+    assert all(plan.group_prefill_rows == tuple(rows) for plan in step.plans.values()) and sum(rows) == 30
+    assert [len(plan.decode) for _, plan in sorted(step.plans.items())] == [int(r == runner) for r in range(3)]
+    assert len({(p.num_steps, p.num_speculative_steps) for p in step.plans.values()}) == 1  # same forwards
+
+
+def test_without_expert_parallelism_idle_ranks_get_no_plan():
+    s = scheduler(cp_size=3)
+    s.add("short", [5, 6], SamplingParams(max_tokens=3))
+    step = s.schedule()
+    assert len(step.plans) == 1 and not next(iter(step.plans.values())).group_prefill_rows
