@@ -51,11 +51,12 @@ def wait_until_ready(process: subprocess.Popen, base_url: str, log_path) -> None
 
 @pytest.fixture(scope="module", params=["colocated", "separate"])
 def server(tmp_path_factory, request):
-    """Base URL of a running server (each engine placement); on teardown Ctrl-C must stop it cleanly."""
+    """Base URL of a running server (each engine placement; the separate one with the experts partitioned over
+    its two ranks, --ep-size 2); on teardown Ctrl-C must stop it cleanly."""
     port, log_path = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", API_KEY_ENV)}
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--api-key", API_KEY,
-               "--engine-placement", request.param]
+               "--engine-placement", request.param] + (["--ep-size", "2"] if request.param == "separate" else [])
     with open(log_path, "w") as log:
         # Started with SIGINT ignored, as some launchers and test runners leave it: Ctrl-C must still stop it.
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
