@@ -95,6 +95,7 @@ class StepResult:
     comm_s: float = 0.0
     comm_bytes: int = 0  # bytes received from other ranks by all collectives of the step
     kv_comm_bytes: int = 0  # part of comm_bytes moved by the per-layer KV / indexer-key gathers
+    comm_bytes_by_tag: dict[str, int] = field(default_factory=dict)  # comm_bytes by CommStats tag
     num_collectives: int = 0
     prefill_phase_s: dict[str, float] = field(default_factory=dict)  # prefill time by phase (PhaseClock)
     peak_rss_bytes: int = 0  # the worker process's peak resident memory so far

@@ -131,6 +131,7 @@ class CPWorker:
         stats = self.comm.reset_stats()
         result.comm_s, result.num_collectives = stats.seconds, stats.calls
         result.comm_bytes, result.kv_comm_bytes = stats.total_bytes, stats.bytes_by_tag.get("kv", 0)
+        result.comm_bytes_by_tag = dict(stats.bytes_by_tag)
         result.compute_s, result.cpu_s = wall_s - stats.seconds, time.process_time() - cpu_start
         result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         return result

@@ -1,12 +1,21 @@
 """`dsa-serve bench KIND`: benchmarks that print JSON (and draw a PNG with --plot).
 
 prefill: CP scaling over prompt lengths; attention: sparse vs dense per layer; decode: MTP speculation;
-serve: HTTP load against the in-process engine and `transformers`; report: BENCHMARKS.md from results.
+serve: HTTP load against the in-process engine and `transformers`; ep: expert parallelism against none on one
+group; ep-exchange: the MoE exchange's collective shapes at DeepSeek-V3.2 sizes; report: BENCHMARKS.md from results.
 """
 
 from __future__ import annotations
 
-from cluster.bench import attention, decode, prefill, report, serve
+from cluster.bench import (
+    attention,
+    decode,
+    ep_exchange,
+    expert_parallel,
+    prefill,
+    report,
+    serve,
+)
 
 
 def add_parser(commands) -> None:
@@ -16,4 +25,6 @@ def add_parser(commands) -> None:
     attention.add_parser(kinds)
     decode.add_parser(kinds)
     serve.add_parser(kinds)
+    expert_parallel.add_parser(kinds)
+    ep_exchange.add_parser(kinds)
     report.add_parser(kinds)
