@@ -6,11 +6,17 @@ the requests it owns in decode, none at all when it has nothing to do), the rows
 applies the experts it holds, and each row's partial sums come back to its rank and are added up. The shared
 experts stay with the caller (added once per row, on its own rank).
 
-Two collective shapes, chosen per forward by the DP padding mode of DESIGN.md section 5:
-* MAX_LEN (every rank padded to the same rows P): all-gather [C·P] rows -> experts -> reduce-scatter [P].
-* SUM_LEN (each rank its own count, zero allowed): all-to-all of the rows to every rank -> experts ->
-  all-to-all of each rank's partial sums back -> summed over ranks in rank order.
-A row travels with its routing (expert ids, weights) packed as raw bytes, so one collective moves all three.
+One collective shape: an all-to-all of each rank's rows to every rank -> the experts held here -> an all-to-all
+of each rank's partial sums back -> summed over ranks in rank order. The rows each rank brings follow the DP
+padding mode of DESIGN.md section 5: MAX_LEN pads every rank to the same P rows (padding rows route to no
+expert), SUM_LEN sends each rank's own count (zero allowed). A row travels with its routing (expert ids,
+weights) packed as raw bytes, so one collective moves all three.
+
+Why this shape (`dsa-serve bench ep-exchange`, gloo, DeepSeek-V3.2 MoE shapes): it moves the same bytes as
+all-gather + reduce-scatter but spent 0.4-0.93x its communication time at every row count measured (gloo's reduce-scatter costs about
+two all-to-alls); sending each row only to the ranks owning its experts saves nothing at C = 2 (a row needs
+both ranks 98% of the time) and costs a count exchange, which loses at small row counts; it only wins bytes
+(0.78x) at C = 4 with hundreds of rows per rank.
 """
 
 from __future__ import annotations
@@ -97,19 +103,16 @@ class ExpertExchange:
             raise RuntimeError(f"rank {self.ep_rank} brings {x.shape[0]} rows to a forward planned with"
                                f" {rows.rows_per_rank[self.ep_rank]}")
         self.layer_calls += 1
-        if rows.mode is DPPaddingMode.MAX_LEN:
-            return self._gather_scatter(x, expert_ids, weights, experts, rows.padded_rows)
-        return self._all_to_all(x, expert_ids, weights, experts, list(rows.rows_per_rank))
+        if rows.mode is DPPaddingMode.MAX_LEN:  # every rank brings `padded_rows` rows; padding routes nowhere
+            padded = rows.padded_rows
+            out = self._exchange(pad_local_rows(x, padded), pad_local_rows(expert_ids, padded, -1),
+                                 pad_local_rows(weights, padded), experts, [padded] * self.ep_size)
+            return out[: x.shape[0]]
+        return self._exchange(x, expert_ids, weights, experts, list(rows.rows_per_rank))
 
-    def _gather_scatter(self, x, expert_ids, weights, experts, padded_rows: int) -> torch.Tensor:
-        num_rows, hidden, top_k = x.shape[0], x.shape[1], expert_ids.shape[1]
-        packed = pack_rows(pad_local_rows(x, padded_rows), pad_local_rows(expert_ids, padded_rows, -1),
-                           pad_local_rows(weights, padded_rows))  # [P, B]; padding rows route nowhere
-        gathered = self.comm.all_gather_rows(packed, "experts")  # [C*P, B]
-        partial = experts(*unpack_rows(gathered, hidden, top_k, x.dtype))  # [C*P, H] this rank's experts
-        return self.comm.reduce_scatter_rows(partial, "experts")[:num_rows]  # [T, H]
-
-    def _all_to_all(self, x, expert_ids, weights, experts, rows_per_rank: list[int]) -> torch.Tensor:
+    def _exchange(self, x, expert_ids, weights, experts, rows_per_rank: list[int]) -> torch.Tensor:
+        """All-to-all of this rank's rows to every rank, the experts held here, all-to-all of the partial sums
+        back, summed over ranks in rank order. x [T, H] -> [T, H]."""
         num_rows, hidden, top_k, size = x.shape[0], x.shape[1], expert_ids.shape[1], self.ep_size
         packed = pack_rows(x, expert_ids, weights)  # [T, B]
         received = self.comm.all_to_all_rows(packed.repeat(size, 1), [num_rows] * size, rows_per_rank,
