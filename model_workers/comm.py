@@ -1,8 +1,8 @@
 """The one module that imports torch.distributed: the CP process group, and its single-process stand-in.
 
-A comm gathers equal-sized row blocks from every CP rank (`all_gather_rows`), exchanges uneven row blocks
-(`all_to_all_rows`) and small integer lists
-(`all_gather_ints`), and keeps counters of what the collectives cost: bytes received from other ranks and
+A comm gathers equal-sized row blocks from every CP rank (`all_gather_rows`), sums row blocks back to their
+rank (`reduce_scatter_rows`, which `bench ep-exchange` measures against the all-to-all), exchanges uneven row
+blocks (`all_to_all_rows`) and small integer lists (`all_gather_ints`), and keeps counters of what the collectives cost: bytes received from other ranks and
 seconds spent, per tag ("kv" for the per-layer latent / indexer-key gathers, "hidden" for the gathers before
 logits and MTP, "experts" for the expert-parallel exchanges, "rows" for the lockstep row counts).
 """
@@ -59,6 +59,10 @@ class LocalComm:
         """[P, ...] (P equal on every rank) -> [cp_size * P, ...] rank-major."""
         return x_padded
 
+    def reduce_scatter_rows(self, x: torch.Tensor, tag: str = "other") -> torch.Tensor:
+        """[cp_size * P, ...] rank-major -> [P, ...]: this rank's block summed over every rank."""
+        return x
+
     def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
                         tag: str = "other") -> torch.Tensor:
         """Rows [sum(send_rows), ...], block j to rank j -> [sum(recv_rows), ...], block j from rank j."""
@@ -104,6 +108,13 @@ class ProcessGroupComm(LocalComm):
         with self._counted(tag, gathered, x_padded):
             dist.all_gather_single(gathered, x_padded)
         return gathered
+
+    def reduce_scatter_rows(self, x: torch.Tensor, tag: str = "other") -> torch.Tensor:
+        x = x.contiguous()
+        mine = x.new_empty((x.shape[0] // self.cp_size, *x.shape[1:]))  # [P, ...]
+        with self._counted(tag, x, mine):
+            dist.reduce_scatter_tensor(mine, x)
+        return mine
 
     def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
                         tag: str = "other") -> torch.Tensor:

@@ -5,8 +5,10 @@ use) each bring T rows of hidden 7168 in bf16, routed top-8 of 256 experts with 
 groups of 32, the 4 best groups kept, as `MoEGate` does on random scores); rank r owns experts
 [r·256/C, (r+1)·256/C). The experts are replaced by an identity weighted by the row's weights of the experts
 held here, so only the exchange is timed. Three shapes:
-* gather_scatter (MAX_LEN today): all-gather of every row to every rank [C·T], experts, reduce-scatter [T];
-* all_rows_all_to_all (SUM_LEN today): every row to every rank by all-to-all, experts, all-to-all back, sum;
+* gather_scatter (a prototype, here only): all-gather of every row to every rank [C·T], experts,
+  reduce-scatter [T];
+* all_rows_all_to_all (`ExpertExchange`, both padding modes): every row to every rank by all-to-all,
+  experts, all-to-all back, sum;
 * routed_dispatch (a DeepEP-like prototype, here only): a count exchange, a variable all-to-all sending each
   row once to each rank owning one of its top-k experts, experts, a variable all-to-all of the partial sums
   back, added up on the row's rank.
@@ -85,6 +87,15 @@ def routed_dispatch(comm, x, ids, weights, experts, num_experts: int):
     return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, order, back.float()).to(x.dtype)  # [T, H]
 
 
+def gather_scatter(comm, x, ids, weights, experts):
+    """Every row to every rank by all-gather [C·T], the experts held here, reduce-scatter back -> [T, H]."""
+    from model_workers.expert_parallel import pack_rows, unpack_rows
+
+    gathered = comm.all_gather_rows(pack_rows(x, ids, weights), "experts")  # [C*T, B]
+    partial = experts(*unpack_rows(gathered, x.shape[1], ids.shape[1], x.dtype))  # [C*T, H]
+    return comm.reduce_scatter_rows(partial, "experts")  # [T, H]
+
+
 def run_method(comm, exchange, method: str, x, ids, weights, experts, num_experts: int):
     """One exchange of `method` (every rank brings T rows)."""
     from cp_router.cp.padding import DPPaddingMode
@@ -92,9 +103,9 @@ def run_method(comm, exchange, method: str, x, ids, weights, experts, num_expert
 
     if method == "routed_dispatch":
         return routed_dispatch(comm, x, ids, weights, experts, num_experts)
-    rows = (x.shape[0],) * comm.cp_size
-    mode = DPPaddingMode.MAX_LEN if method == "gather_scatter" else DPPaddingMode.SUM_LEN
-    exchange.begin_forward(ForwardRows(rows, mode, x.shape[0]))
+    if method == "gather_scatter":
+        return gather_scatter(comm, x, ids, weights, experts)
+    exchange.begin_forward(ForwardRows((x.shape[0],) * comm.cp_size, DPPaddingMode.SUM_LEN, x.shape[0]))
     return exchange.combine(x, ids, weights, experts)
 
 
