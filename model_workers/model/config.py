@@ -108,20 +108,20 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"config.json hidden_act={act!r} is not supported; allowed: silu")
-    layers = _required_int(raw, "num_hidden_layers")
+    layers = required_int(raw, "num_hidden_layers")
     return ModelConfig(
         model_type=model_type,
-        vocab_size=_required_int(raw, "vocab_size"),
-        hidden_size=_required_int(raw, "hidden_size"),
-        intermediate_size=_required_int(raw, "intermediate_size"),
-        moe_intermediate_size=_required_int(raw, "moe_intermediate_size"),
+        vocab_size=required_int(raw, "vocab_size"),
+        hidden_size=required_int(raw, "hidden_size"),
+        intermediate_size=required_int(raw, "intermediate_size"),
+        moe_intermediate_size=required_int(raw, "moe_intermediate_size"),
         num_hidden_layers=layers,
-        num_attention_heads=_required_int(raw, "num_attention_heads"),
-        q_lora_rank=_required_int(raw, "q_lora_rank"),
-        kv_lora_rank=_required_int(raw, "kv_lora_rank"),
-        qk_nope_head_dim=_required_int(raw, "qk_nope_head_dim"),
-        qk_rope_head_dim=_required_int(raw, "qk_rope_head_dim"),
-        v_head_dim=_required_int(raw, "v_head_dim"),
+        num_attention_heads=required_int(raw, "num_attention_heads"),
+        q_lora_rank=required_int(raw, "q_lora_rank"),
+        kv_lora_rank=required_int(raw, "kv_lora_rank"),
+        qk_nope_head_dim=required_int(raw, "qk_nope_head_dim"),
+        qk_rope_head_dim=required_int(raw, "qk_rope_head_dim"),
+        v_head_dim=required_int(raw, "v_head_dim"),
         n_routed_experts=int(raw.get("n_routed_experts") or raw.get("num_experts") or 0),
         n_shared_experts=int(raw.get("n_shared_experts") or 0),
         num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
@@ -130,9 +130,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         mlp_layer_types=_mlp_layer_types(raw, layers),
-        index_n_heads=_required_int(raw, "index_n_heads"),
-        index_head_dim=_required_int(raw, "index_head_dim"),
-        index_topk=_required_int(raw, "index_topk"),
+        index_n_heads=required_int(raw, "index_n_heads"),
+        index_head_dim=required_int(raw, "index_head_dim"),
+        index_topk=required_int(raw, "index_topk"),
         indexer_types=_indexer_types(raw, layers),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope=_rope_spec(raw),
@@ -140,14 +140,14 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
-        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        eos_token_ids=eos_ids(raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id"),
         fp8_block_size=_fp8_block_size(raw.get("quantization_config")),
         index_share_for_mtp_iteration=bool(raw.get("index_share_for_mtp_iteration", False)),
     )
 
 
-def _required_int(raw: dict[str, Any], key: str) -> int:
+def required_int(raw: dict[str, Any], key: str) -> int:
     value = raw.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ModelConfigError(f"config.json {key}={value!r}: a positive integer is required")
@@ -184,8 +184,13 @@ def _indexer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
 
 def _rope_spec(raw: dict[str, Any]) -> RopeSpec:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    return rope_spec_from(params, theta, raw)
+
+
+def rope_spec_from(params: dict[str, Any], theta: float, raw: dict[str, Any]) -> RopeSpec:
+    """A RoPE spec from one `rope_parameters` / `rope_scaling` dict (`default` or `yarn`) and its theta."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return RopeSpec(rope_type="default", theta=theta)
     if rope_type != "yarn":
@@ -207,7 +212,7 @@ def _rope_spec(raw: dict[str, Any]) -> RopeSpec:
     )
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
