@@ -12,7 +12,7 @@ from torch import nn
 from model_workers.model.attention import MLAttention
 from model_workers.model.backend import AttentionBackend
 from model_workers.model.config import ModelConfig
-from model_workers.model.layers import MLP, MoE, RMSNorm
+from model_workers.model.layers import MLP, MoE, RMSNorm, deepseek_moe
 from model_workers.model.rope import RotaryTable
 
 
@@ -20,7 +20,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, has_indexer: bool, sparse_mlp: bool, expert_ids: range | None = None):
         super().__init__()
         self.self_attn = MLAttention(config, has_indexer)
-        self.mlp = MoE(config, expert_ids) if sparse_mlp else MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = deepseek_moe(config, expert_ids) if sparse_mlp else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -21,17 +21,25 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with a limit L (DeepSeek-V4) gate <= L and -L <= up <= L first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+
+class MLP(nn.Module):
+    """down(swiglu(gate(x), up(x)))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 class MoEGate(nn.Module):
@@ -46,8 +54,8 @@ class MoEGate(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (expert ids [T, top_k], weights [T, top_k] float32)."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (expert ids [T, top_k], weights [T, top_k] float32); token ids are not used."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.float()
         num_tokens, num_experts = choice.shape
@@ -71,9 +79,10 @@ class Experts(nn.Module):
     n_routed_experts; without it, all of them. The forward sums only the experts held here.
     """
 
-    def __init__(self, config: ModelConfig, expert_ids: range | None = None):
+    def __init__(self, config: ModelConfig, expert_ids: range | None = None, swiglu_limit: float | None = None):
         super().__init__()
         self.expert_ids = expert_ids if expert_ids is not None else range(config.n_routed_experts)
+        self.swiglu_limit = swiglu_limit
         num, hidden, inner = len(self.expert_ids), config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inner))
@@ -95,7 +104,7 @@ class Experts(nn.Module):
                 continue
             rows = token_rows[start : start + count]
             gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])  # [n, hidden]
+            y = F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])  # [n, hidden]
             y = y * flat_weights[start : start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
@@ -104,17 +113,18 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """Gate on this process's rows; the routed experts through `backend.routed_experts` (local, or across an
-    expert-parallel group); the shared experts once per row, here."""
+    expert-parallel group); the shared experts once per row, here.
 
-    def __init__(self, config: ModelConfig, expert_ids: range | None = None):
+    `gate(x, token_ids) -> (expert ids [T, k], weights [T, k])` with a `top_k` attribute: `MoEGate` (V3.2 / GLM-5),
+    or DeepSeek-V4's learned / hash-routed gate."""
+
+    def __init__(self, gate: nn.Module, experts: Experts, shared_experts: MLP | None):
         super().__init__()
-        self.gate = MoEGate(config)
-        self.experts = Experts(config, expert_ids)
-        shared = config.moe_intermediate_size * config.n_shared_experts
-        self.shared_experts = MLP(config.hidden_size, shared) if shared > 0 else None
+        self.gate, self.experts, self.shared_experts = gate, experts, shared_experts
 
-    def forward(self, x: torch.Tensor, backend, layer_id: int) -> torch.Tensor:
-        expert_ids, weights = self.gate(x)
+    def forward(self, x: torch.Tensor, backend, layer_id: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden]; token_ids [T] (hash routing reads them) -> [T, hidden]."""
+        expert_ids, weights = self.gate(x, token_ids)
         out = backend.routed_experts(layer_id, x, expert_ids, weights, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -127,3 +137,10 @@ class MoE(nn.Module):
         expert_ids = torch.zeros((0, self.gate.top_k), dtype=torch.long, device=weight.device)
         weights = torch.zeros((0, self.gate.top_k), dtype=torch.float32, device=weight.device)
         backend.routed_experts(layer_id, x, expert_ids, weights, self.experts)
+
+
+def deepseek_moe(config: ModelConfig, expert_ids: range | None = None) -> MoE:
+    """The DeepSeek-V3.2 / GLM-5 MoE layer: grouped sigmoid routing, n_shared_experts fused into one MLP."""
+    shared = config.moe_intermediate_size * config.n_shared_experts
+    shared_experts = MLP(config.hidden_size, shared) if shared > 0 else None
+    return MoE(MoEGate(config), Experts(config, expert_ids), shared_experts)
