@@ -62,10 +62,20 @@ def attention_softmax_scale(config: ModelConfig) -> float:
 
 
 class RotaryTable:
-    """cos/sin per position for one rope dimension; `for_positions` looks rows up by global position."""
+    """cos/sin per position for one rope dimension; `for_positions` looks rows up by global position.
 
-    def __init__(self, config: ModelConfig):
-        self.inv_freq, self.scaling = inverse_frequencies(config.rope, config.qk_rope_head_dim)
+    Built from a model config (`RotaryTable(config)`: its `rope` over `qk_rope_head_dim`) or from any spec and
+    dimension (`RotaryTable.of(spec, dim)`: DeepSeek-V4's main and compress tables)."""
+
+    def __init__(self, config: ModelConfig | None = None):
+        if config is not None:
+            self.inv_freq, self.scaling = inverse_frequencies(config.rope, config.qk_rope_head_dim)
+
+    @classmethod
+    def of(cls, rope: RopeSpec, dim: int) -> "RotaryTable":
+        table = cls()
+        table.inv_freq, table.scaling = inverse_frequencies(rope, dim)
+        return table
 
     def for_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) each [T, rope_dim/2] in float32 (scaling folded in)."""
@@ -82,6 +92,16 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     cos, sin = _broadcast(cos, x), _broadcast(sin, x)
     x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
     out = torch.cat([x_even * cos - x_odd * sin, x_odd * cos + x_even * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotates interleaved pairs (x0,x1),(x2,x3)... in place of the layout (DeepSeek-V4, where the rotated
+    vector is also the value and its output is de-rotated: `inverse` rotates by -angle). x [T, ..., R]."""
+    cos, sin = _broadcast(cos, x), _broadcast(sin, x)
+    sin = -sin if inverse else sin
+    x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
+    out = torch.stack([x_even * cos - x_odd * sin, x_odd * cos + x_even * sin], dim=-1).flatten(-2)
     return out.to(x.dtype)
 
 
