@@ -5,23 +5,13 @@ import torch
 
 from model_workers.model.v4_blocks import HyperConnection, HyperHead, expand_streams, v4_moe
 from model_workers.model.v4_config import parse_v4_config
+from support.v4_models import randomized
 
 RAW = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=1, head_dim=16, qk_rope_head_dim=4, q_lora_rank=24,
            o_groups=2, o_lora_rank=8, sliding_window=8, index_n_heads=8, index_head_dim=8, index_topk=4,
            hc_mult=4, hc_sinkhorn_iters=7, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
            compress_ratios=[0, 4, 128, 0], num_hash_layers=1, swiglu_limit=0.5, routed_scaling_factor=1.5)
-
-
-def randomized(module, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            if tensor.dtype == torch.long:  # tid2eid: a distinct random expert set per token
-                tensor.copy_(torch.stack([torch.randperm(8, generator=generator)[:3] for _ in range(tensor.shape[0])]))
-            else:
-                tensor.copy_(torch.randn(tensor.shape, generator=generator))
-    return module
 
 
 class LocalExperts:
