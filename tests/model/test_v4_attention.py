@@ -1,6 +1,8 @@
 """DeepSeek-V4 attention on a sliding-window layer equals `transformers`' `DeepseekV4Attention` (eager, no
 cache) on the same random weights: q path, shared K = V, sinks, de-rotation and the grouped output."""
 
+import copy
+
 import torch
 
 from model_workers.model.rope import RotaryTable
@@ -19,7 +21,7 @@ def test_sliding_layer_attention_equals_transformers():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
-    ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**RAW)
+    ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**copy.deepcopy(RAW))
     theirs._attn_implementation = "eager"
     reference = randomized(DeepseekV4Attention(theirs, 0), 11)
     attention = V4Attention(ours)

@@ -1,5 +1,7 @@
 """DeepSeek-V4's mHC streams and MoE layer equal `transformers`' modules on the same random weights."""
 
+import copy
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ class LocalExperts:
 def configs():
     from transformers import DeepseekV4Config
 
-    return parse_v4_config(RAW), DeepseekV4Config(**RAW)
+    return parse_v4_config(RAW), DeepseekV4Config(**copy.deepcopy(RAW))
 
 
 def test_hyper_connection_and_head_equal_transformers(configs):

@@ -1,10 +1,12 @@
 """DeepSeek-V4's HCA compressor equals `transformers`' (stateless prefill) and gives the same entries when the
 rows arrive in chunks that split windows (the caller keeps the open window's rows)."""
 
+import copy
+
 import torch
 
 from model_workers.model.rope import RotaryTable
-from model_workers.model.v4_compress import HCACompressor, visible_entries
+from model_workers.model.v4_compress import CSACompressor, HCACompressor, visible_entries
 from model_workers.model.v4_config import parse_v4_config
 from support.v4_models import randomized
 
@@ -21,7 +23,7 @@ def test_hca_entries_equal_transformers_and_do_not_depend_on_chunking():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HCACompressor
 
-    ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**RAW)
+    ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**copy.deepcopy(RAW))
     reference = randomized(DeepseekV4HCACompressor(theirs), 21)
     compressor = HCACompressor(ours)
     compressor.load_state_dict({k: v for k, v in reference.state_dict().items() if not k.startswith("rotary")})
@@ -43,3 +45,33 @@ def test_hca_entries_equal_transformers_and_do_not_depend_on_chunking():
             windows, open_kv, open_gate = windows + closed // rate, open_kv[closed:], open_gate[closed:]
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-6, rtol=0)
     assert open_kv.shape[0] == 3
+
+
+def test_csa_entries_equal_transformers_and_carry_the_overlap_across_chunks():
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACompressor
+
+    raw = {**RAW, "compress_ratios": [4, 4]}
+    ours, theirs = parse_v4_config(raw), DeepseekV4Config(**copy.deepcopy(raw))
+    reference = randomized(DeepseekV4CSACompressor(theirs), 31)
+    compressor = CSACompressor(ours)
+    own = ("kv_proj.", "gate_proj.", "position_bias", "kv_norm.")
+    compressor.load_state_dict({k: v for k, v in reference.state_dict().items() if k.startswith(own)})
+    table = RotaryTable.of(ours.compress_rope, ours.qk_rope_head_dim)
+    length, rate = 18, 4  # 4 closed windows, 2 open rows
+    x = torch.randn(1, length, 32, generator=torch.Generator().manual_seed(32))
+    q_residual = torch.randn(1, length, 24, generator=torch.Generator().manual_seed(33))
+    with torch.no_grad():
+        expected, _ = reference(x, q_residual, torch.arange(length)[None], None, 0)  # [1, 1, 4, Dh]
+        kv, gate = compressor.project(x[0])
+        whole, _ = compressor.entries(kv[:16], gate[:16], 0, table)
+        torch.testing.assert_close(whole, expected[0, 0], atol=1e-5, rtol=0)
+        pieces, previous, windows, start = [], None, 0, 0
+        for end in (5, 6, 13, 18):  # chunk ends misaligned with the windows
+            closed_end = end // rate * rate
+            if closed_end > start:
+                entries, previous = compressor.entries(kv[start:closed_end], gate[start:closed_end], windows, table,
+                                                       previous)
+                pieces.append(entries)
+                windows, start = closed_end // rate, closed_end
+    torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-6, rtol=0)

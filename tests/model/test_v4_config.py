@@ -1,5 +1,7 @@
 """DeepSeek-V4 config.json in both forms (transformers' and the release's) folds to what `transformers` folds it to."""
 
+import copy
+
 import pytest
 
 from model_workers.model.config import ModelConfigError
@@ -18,7 +20,7 @@ RELEASE = {**TINY, "compress_ratios": [0, 4, 128, 4, 128, 0, 0], "num_hash_layer
 def hf_form(raw: dict) -> dict:
     from transformers import DeepseekV4Config
 
-    return DeepseekV4Config(**raw).to_dict()
+    return DeepseekV4Config(**copy.deepcopy(raw)).to_dict()
 
 
 @pytest.mark.parametrize("form", ["release", "transformers"])
@@ -27,7 +29,7 @@ def test_both_forms_fold_like_transformers(form):
 
     raw = RELEASE if form == "release" else hf_form({k: v for k, v in RELEASE.items() if k != "compress_ratios"}
                                                      | {"layer_types": hf_form(RELEASE)["layer_types"]})
-    ours, theirs = parse_v4_config(raw), DeepseekV4Config(**RELEASE)
+    ours, theirs = parse_v4_config(raw), DeepseekV4Config(**copy.deepcopy(RELEASE))
     assert ours.layer_types == tuple(theirs.layer_types) == (SLIDING, CSA, HCA, CSA, HCA)  # MTP entries dropped
     assert ours.mlp_layer_types == tuple(theirs.mlp_layer_types) == ("hash_moe",) * 2 + ("moe",) * 3
     assert ours.compress_rates == {CSA: 4, HCA: 8} == dict(theirs.compress_rates)

@@ -1,6 +1,8 @@
 """DeepSeek-V4 RoPE: the main (plain) and compress (YaRN, no mscale) tables and the layout-keeping interleaved
 rotation equal `transformers`' rotary embedding and `apply_rotary_pos_emb`; de-rotation inverts it."""
 
+import copy
+
 import torch
 
 from model_workers.model.rope import RotaryTable, rotate_pairs
@@ -19,7 +21,7 @@ def test_tables_and_rotation_equal_transformers():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding, apply_rotary_pos_emb
 
-    ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**RAW)
+    ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**copy.deepcopy(RAW))
     reference = DeepseekV4RotaryEmbedding(theirs)
     positions = torch.tensor([0, 1, 5, 127, 128, 1000, 2047])
     x = torch.randn(len(positions), 3, 16, generator=torch.Generator().manual_seed(0))  # [T, heads, head_dim]
