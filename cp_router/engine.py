@@ -186,6 +186,7 @@ class GenerationEngine:
         try:
             master_addr, master_port = await self.workers[0].rendezvous_address.remote()
             await asyncio.gather(*[w.rejoin.remote(master_addr, master_port) for w in self.workers])
+            self._group_error = None
         except Exception as exc:  # noqa: BLE001 - a rank is gone: health checks report it from here on
             self._group_error = f"rank group could not be re-formed: {one_line(exc)}"
 

@@ -2,9 +2,10 @@
 
 A comm gathers equal-sized row blocks from every CP rank (`all_gather_rows`), sums row blocks back to their
 rank (`reduce_scatter_rows`, which `bench ep-exchange` measures against the all-to-all), exchanges uneven row
-blocks (`all_to_all_rows`) and small integer lists (`all_gather_ints`), and keeps counters of what the collectives cost: bytes received from other ranks and
-seconds spent, per tag ("kv" for the per-layer latent / indexer-key gathers, "hidden" for the gathers before
-logits and MTP, "experts" for the expert-parallel exchanges, "rows" for the lockstep row counts).
+blocks (`all_to_all_rows`) and small integer lists (`all_gather_ints`), and keeps counters of what the
+collectives cost: bytes received from other ranks and seconds spent, per tag ("kv" for the per-layer latent /
+indexer-key gathers, "hidden" for the gathers before logits and MTP, "experts" for the expert-parallel
+exchanges, "rows" for the lockstep row counts).
 """
 
 from __future__ import annotations

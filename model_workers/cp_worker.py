@@ -185,12 +185,14 @@ class CPWorker:
         self.comm.destroy()
 
     @torch.inference_mode()
-    def _prefill(self, shard: PrefillShard, return_logits: bool, group_rows: tuple[int, ...]) -> dict[str, RequestOutput]:
+    def _prefill(self, shard: PrefillShard, return_logits: bool,
+                 group_rows: tuple[int, ...]) -> dict[str, RequestOutput]:
         comm = self.comm if shard.meta.cp_size > 1 else LocalComm()
         if self.exchange is not None:  # target and MTP forward alike: this batch's rows on every rank
             self.runner.begin_forward(0, True, self._prefill_rows(group_rows, shard.meta))
         tables = [PageTable(list(pages), prefix) for pages, prefix in zip(shard.page_tables, shard.meta.prefix_lens)]
-        ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size, self.device)
+        ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size,
+                             self.device)
         outputs = run_prefill(ctx, shard, return_logits)
         for req in shard.requests:  # the owner keeps what decoding needs once the prompt is in the cache
             if req.owner_rank == self.cp_rank and req.final_chunk:

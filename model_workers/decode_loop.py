@@ -119,9 +119,8 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
 
 def sharing_backend(runner: ModelRunner, states: list[DecodeState]) -> SharedTopkBackend | None:
     """The MTP index-sharing backend when the checkpoint asks for it (GLM-5.2), else None."""
-    if not runner.model.config.index_share_for_mtp_iteration or any(s.held.draft_topk is None for s in states):
-        return None
-    if not states:
+    sharing = runner.model.config.index_share_for_mtp_iteration
+    if not states or not sharing or any(s.held.draft_topk is None for s in states):
         return None
     return SharedTopkBackend(runner.cache, runner.model.config.num_hidden_layers, runner.exchange)
 

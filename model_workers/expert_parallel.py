@@ -13,10 +13,10 @@ expert), SUM_LEN sends each rank's own count (zero allowed). A row travels with 
 weights) packed as raw bytes, so one collective moves all three.
 
 Why this shape (`dsa-serve bench ep-exchange`, gloo, DeepSeek-V3.2 MoE shapes): it moves the same bytes as
-all-gather + reduce-scatter but spent 0.4-0.93x its communication time at every row count measured (gloo's reduce-scatter costs about
-two all-to-alls); sending each row only to the ranks owning its experts saves nothing at C = 2 (a row needs
-both ranks 98% of the time) and costs a count exchange, which loses at small row counts; it only wins bytes
-(0.78x) at C = 4 with hundreds of rows per rank.
+all-gather + reduce-scatter but spent 0.4-0.93x its communication time at every row count measured (gloo's
+reduce-scatter costs about two all-to-alls); sending each row only to the ranks owning its experts saves
+nothing at C = 2 (a row needs both ranks 98% of the time) and costs a count exchange, which loses at small
+row counts; it only wins bytes (0.78x) at C = 4 with hundreds of rows per rank.
 """
 
 from __future__ import annotations
@@ -35,11 +35,7 @@ class ForwardRows:
 
     rows_per_rank: tuple[int, ...]
     mode: DPPaddingMode
-    padded_rows: int  # MAX_LEN: rows each rank passes to the all-gather (>= max rows_per_rank)
-
-    @property
-    def total(self) -> int:
-        return sum(self.rows_per_rank)
+    padded_rows: int  # MAX_LEN: rows each rank passes to the all-to-all (>= max rows_per_rank)
 
 
 def dp_forward_rows(rows_per_rank: list[int], dp_rank: int, is_extend: bool) -> ForwardRows:
@@ -75,7 +71,6 @@ class ExpertExchange:
     def __init__(self, comm: LocalComm):
         self.comm = comm
         self.rows: ForwardRows | None = None
-        self.layer_calls = 0  # exchanges run (tests and the lockstep-cost benchmark read it)
 
     @property
     def ep_rank(self) -> int:
@@ -102,7 +97,6 @@ class ExpertExchange:
         if rows.rows_per_rank[self.ep_rank] != x.shape[0]:
             raise RuntimeError(f"rank {self.ep_rank} brings {x.shape[0]} rows to a forward planned with"
                                f" {rows.rows_per_rank[self.ep_rank]}")
-        self.layer_calls += 1
         if rows.mode is DPPaddingMode.MAX_LEN:  # every rank brings `padded_rows` rows; padding routes nowhere
             padded = rows.padded_rows
             out = self._exchange(pad_local_rows(x, padded), pad_local_rows(expert_ids, padded, -1),

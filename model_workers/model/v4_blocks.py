@@ -28,7 +28,8 @@ class HyperConnection(nn.Module):
     def __init__(self, config: V4Config):
         super().__init__()
         n = config.hc_mult
-        self.hc_mult, self.iters, self.hc_eps, self.rms_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.hc_mult, self.iters = n, config.hc_sinkhorn_iters
+        self.hc_eps, self.rms_eps = config.hc_eps, config.rms_norm_eps
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * config.hidden_size, dtype=torch.float32))
         self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))

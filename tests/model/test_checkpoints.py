@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from model_workers.checkpoint.loader import CheckpointError, dequantize_fp8_blocks, load_model
 from model_workers.model.config import ModelConfigError
 from model_workers.runner import ExtendItem, ModelRunner
+from support.fp8 import quantize_fp8_blocks
 
 IDS = list(range(3, 33))
 
@@ -42,19 +43,6 @@ def test_sharded_checkpoint_with_index_equals_single_file(checkpoint_copy):
     weight_map = {n: f for f, part in shards.items() for n in part}
     (checkpoint_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     torch.testing.assert_close(logits_of(checkpoint_copy), expected, atol=0, rtol=0)
-
-
-def quantize_fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape
-    grid = (-(-rows // block), -(-cols // block))
-    scale = torch.empty(grid)
-    quantized = torch.empty_like(weight, dtype=torch.float8_e4m3fn)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
-            scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
-            quantized[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
-    return quantized, scale
 
 
 def test_fp8_block_quantized_checkpoint_dequantizes_at_load(checkpoint_copy):

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from model_workers.checkpoint.capacity import plan
 from model_workers.checkpoint.loader import load_model, load_model_with_report
 from model_workers.checkpoint.weight_classes import expert_of, fp8_quantized
+from support.fp8 import quantize_fp8_blocks
 from support.tiny_models import add_mtp_layer, reference_model, save_reference
 
 BLOCK = 16
@@ -45,23 +46,10 @@ def to_bf16(name, value):
     return {name: value if name.endswith("e_score_correction_bias") else value.to(torch.bfloat16)}
 
 
-def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape
-    grid = (-(-rows // BLOCK), -(-cols // BLOCK))
-    scale = torch.empty(grid)
-    quantized = torch.empty_like(weight, dtype=torch.float8_e4m3fn)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            tile = weight[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
-            scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
-            quantized[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
-    return quantized, scale
-
-
 def to_fp8(name, value):
     if not fp8_quantized(name):
         return to_bf16(name, value)
-    quantized, scale = quantize_blocks(value.float())
+    quantized, scale = quantize_fp8_blocks(value.float(), BLOCK)
     return {name: quantized, name.replace(".weight", ".weight_scale_inv"): scale}
 
 
