@@ -16,9 +16,12 @@ import torch
 
 from cp_router.pages import pages_for
 from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
+from model_workers.backends.v4_backend import V4TorchBackend, local_v4_batch
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, dp_forward_rows
 from model_workers.kv_cache import PagedKVCache, PageTable
 from model_workers.model.decoder import DSAForCausalLM
+from model_workers.model.v4_model import DeepseekV4ForCausalLM
+from model_workers.v4_cache import V4Cache
 
 
 @dataclass
@@ -47,19 +50,41 @@ def build_forward_batch(items: list[ExtendItem], page_size: int, device) -> Forw
     )
 
 
+def make_cache(model, num_pages: int, page_size: int, dtype: torch.dtype, device) -> PagedKVCache | V4Cache:
+    """The cache a model keeps per rank: pages of MLA latents (V3.2 / GLM-5), or V4's per-request state."""
+    config = model.config
+    if isinstance(model, DeepseekV4ForCausalLM):
+        return V4Cache(config, num_pages, page_size, model.num_mtp_layers, dtype)
+    indexed = [t == "full" for t in config.indexer_types] + [True] * model.num_mtp_layers
+    return PagedKVCache(num_pages, page_size, config.latent_dim, config.index_head_dim, indexed, dtype, device)
+
+
+def make_backend(cache: PagedKVCache | V4Cache, exchange: ExpertExchange | None, cp: bool = False):
+    """The attention backend over `cache`: one-rank, or (cp) gathering each batch's keys from the CP group."""
+    from model_workers.backends.cp_backend import CPBackend, V4CPBackend
+
+    if isinstance(cache, V4Cache):
+        return (V4CPBackend if cp else V4TorchBackend)(cache, exchange)
+    return (CPBackend if cp else TorchBackend)(cache, exchange)
+
+
 class ModelRunner:
-    def __init__(self, model: DSAForCausalLM, num_pages: int, page_size: int = 64, device="cpu",
-                 kv_dtype: torch.dtype | None = None, exchange: ExpertExchange | None = None):
+    def __init__(self, model: DSAForCausalLM | DeepseekV4ForCausalLM, num_pages: int, page_size: int = 64,
+                 device="cpu", kv_dtype: torch.dtype | None = None, exchange: ExpertExchange | None = None):
         """kv_dtype: the cache's dtype (default: the model's); exchange: the expert-parallel group, if any."""
-        config = model.config
         self.model, self.device, self.page_size = model, torch.device(device), page_size
-        indexed = [t == "full" for t in config.indexer_types] + [True] * model.num_mtp_layers
         dtype = kv_dtype or model.model.embed_tokens.weight.dtype
-        self.cache = PagedKVCache(
-            num_pages, page_size, config.latent_dim, config.index_head_dim, indexed, dtype, self.device
-        )
+        self.cache = make_cache(model, num_pages, page_size, dtype, self.device)
         self.exchange = exchange
-        self.backend = TorchBackend(self.cache, exchange)
+        self.backend = make_backend(self.cache, exchange)
+
+    def bound_backend(self, items: list[ExtendItem], backend=None):
+        """`backend` (default: the runner's) bound to one forward over `items`."""
+        backend = backend or self.backend
+        if isinstance(self.cache, V4Cache):
+            lengths = [len(item.token_ids) for item in items]
+            return backend.bind(local_v4_batch(self.cache, [it.table for it in items], lengths, self.device))
+        return backend.bind(build_forward_batch(items, self.page_size, self.device))
 
     def standalone_tables(self, lens: list[int]) -> list[PageTable]:
         """Empty page tables for requests of up to `lens` tokens on disjoint pages 0.. of this cache, for a runner
@@ -92,9 +117,9 @@ class ModelRunner:
         self.begin_forward(num_rows, is_extend, rows)
         if num_rows == 0:
             return self._join(None)
-        batch = build_forward_batch(items, self.page_size, self.device)
+        backend = self.bound_backend(items)
         ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model(ids, batch.positions, self.backend.bind(batch))
+        hidden = self.model(ids, backend.batch.positions, backend)
         for item in items:
             item.table.num_tokens += len(item.token_ids)
         return hidden
@@ -122,10 +147,9 @@ class ModelRunner:
         self.begin_forward(num_rows, is_extend, rows)
         if num_rows == 0:
             return self._join(mtp_index)
-        batch = build_forward_batch(shifted, self.page_size, self.device)
+        backend = self.bound_backend(shifted, backend)  # another backend: e.g. MTP index sharing
         ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
-        backend = (backend or self.backend).bind(batch)  # another backend: e.g. MTP index sharing
-        return self.model.mtp_forward(ids, prev_hidden, batch.positions, backend, mtp_index)
+        return self.model.mtp_forward(ids, prev_hidden, backend.batch.positions, backend, mtp_index)
 
     def _join(self, mtp_index: int | None) -> torch.Tensor:
         """A forward with no rows here: join the group's expert exchanges (EP), return hidden [0, D]."""
@@ -134,6 +158,5 @@ class ModelRunner:
         return self.empty_hidden()
 
     def empty_hidden(self) -> torch.Tensor:
-        """Hidden states of no rows, [0, D] in the model's dtype."""
-        weight = self.model.model.embed_tokens.weight
-        return weight.new_zeros((0, weight.shape[1]))
+        """Hidden states of no rows, [0, hidden_width] in the model's dtype."""
+        return self.model.model.embed_tokens.weight.new_zeros((0, self.model.hidden_width))

@@ -17,8 +17,10 @@ from cp_router.cp.metadata import RankMetadata
 from cp_router.cp.padding import pad_local_rows
 from cp_router.cp.sharding import gather_rerange
 from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
+from model_workers.backends.v4_backend import V4Batch, V4TorchBackend, v4_batch
 from model_workers.comm import LocalComm
-from model_workers.kv_cache import PagedKVCache
+from model_workers.kv_cache import PagedKVCache, PageTable
+from model_workers.v4_cache import V4Cache
 
 
 def gather_rows_global(
@@ -66,3 +68,31 @@ class CPBackend(TorchBackend):
         if layer_id in self.keep_topk_layers:
             self.kept_topk[layer_id] = topk_slots
         return topk_slots
+
+
+def cp_v4_batch(cache: V4Cache, tables: list[PageTable], meta: RankMetadata, device) -> V4Batch:
+    """DeepSeek-V4 under CP: this rank's logical rows as queries; every request's whole chunk in the stream."""
+    request_index_local = meta.request_index_local[: meta.num_logical]  # [T_logical]
+    rows = [torch.nonzero(request_index_local == s).flatten().to(device) for s in range(len(tables))]
+    return v4_batch(cache, tables, list(meta.extend_lens), meta.positions_local[: meta.num_logical].to(device), rows)
+
+
+class V4CPBackend(V4TorchBackend):
+    """V4 under CP: the window's K = V rows and the compressors' projected rows are all-gathered into the stream
+    before they are kept or pooled, so every rank keeps every request's rows and entries (equal to one rank's)."""
+
+    def __init__(self, cache: V4Cache, exchange=None):
+        super().__init__(cache, exchange)
+        self.meta: RankMetadata | None = None
+        self.comm: LocalComm | None = None
+
+    def bind_shard(self, batch: V4Batch, meta: RankMetadata, comm: LocalComm, keep_topk_layers=frozenset()):
+        if meta.cp_size != comm.cp_size:
+            raise ValueError(f"CP batch built for cp_size={meta.cp_size} on a group of cp_size={comm.cp_size}")
+        if keep_topk_layers:
+            raise ValueError("DeepSeek-V4 has no MTP index sharing (its MTP block is sliding-only)")
+        self.meta, self.comm = meta, comm
+        return self.bind(batch)
+
+    def stream_rows(self, rows_local: torch.Tensor, tag: str) -> torch.Tensor:
+        return gather_rows_global(self.comm, self.meta, rows_local, tag)

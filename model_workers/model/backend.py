@@ -55,3 +55,26 @@ class AttentionBackend(Protocol):
         `experts` the layer's `Experts` module (the experts held by this process). Returns [T, hidden].
         Without expert parallelism: `experts(x, expert_ids, weights)`.
         """
+
+
+class V4AttentionBackend(Protocol):
+    """DeepSeek-V4's contract (deepseek_v4.md section 3): per layer, a sliding window of raw K = V rows and, on
+    CSA / HCA layers, compressed entries that grow by one per closed window. The backend owns every row a
+    request keeps between forwards (window tails, open compressor windows, entries); the model pools windows.
+
+    `request_rows[s]`: this process's query rows of request s (in batch order) into every [T, ...] tensor.
+    """
+
+    request_rows: tuple[torch.Tensor, ...]
+
+    def window_keys(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv [T, Dh] (normed, roped) of this batch's rows -> each query's window (p-W, p] of its request:
+        keys [T, W, Dh], valid [T, W] bool."""
+
+    def compressed_entries(self, layer_id: int, compressor, table, kv: torch.Tensor,
+                           gate: torch.Tensor) -> list[torch.Tensor]:
+        """This batch's projected rows kv, gate [T, C] of `compressor` (a `WindowCompressor`; `table` its RoPE)
+        -> per request, every entry of its windows closed by the end of this batch [n_s, width]."""
+
+    def routed_experts(self, layer_id: int, x, expert_ids, weights, experts) -> torch.Tensor:
+        """As `AttentionBackend.routed_experts`."""

@@ -83,6 +83,11 @@ class DSAForCausalLM(nn.Module):
     def num_mtp_layers(self) -> int:
         return len(self.model.layers) - self.config.num_hidden_layers
 
+    @property
+    def hidden_width(self) -> int:
+        """Width of the hidden rows `forward` returns and `logits` / `mtp_forward` read."""
+        return self.config.hidden_size
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden] (the rows this process owns)."""
         cos, sin = self.rotary.for_positions(positions)

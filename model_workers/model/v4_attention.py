@@ -3,9 +3,10 @@
 attention over each query's own key rows with a per-head sink logit, the output's RoPE slice de-rotated at
 the query position, and the grouped low-rank output projection.
 
-Which key rows a query sees (its sliding window of raw entries, and the compressed entries of CSA / HCA
-layers) is the cache's business; `attend_with_sinks` takes them per query, -padded with a validity mask.
-Parameter names follow the checkpoint (`self_attn.q_a_proj`, `self_attn.sinks`, ...).
+A query sees its sliding window of raw entries and, on CSA / HCA layers, compressed entries: all visible
+ones (HCA) or the lightning indexer's top-k (CSA). Which rows exist is the backend's business
+(`V4AttentionBackend`); `attend_with_sinks` takes them per query, padded, with a validity mask.
+Parameter names follow the checkpoint (`self_attn.q_a_proj`, `self_attn.sinks`, `self_attn.compressor...`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 from torch import nn
 
 from model_workers.model.layers import RMSNorm
-from model_workers.model.rope import rotate_pairs
+from model_workers.model.rope import RotaryTable, rotate_pairs
 from model_workers.model.v4_blocks import unweighted_rms
-from model_workers.model.v4_config import V4Config
+from model_workers.model.v4_compress import CSACompressor, HCACompressor, visible_entries
+from model_workers.model.v4_config import CSA, HCA, SLIDING, V4Config
 
 
 def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor,
@@ -32,7 +34,7 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, 
 
 
 class V4Attention(nn.Module):
-    def __init__(self, config: V4Config):
+    def __init__(self, config: V4Config, layer_type: str = SLIDING):
         super().__init__()
         heads, head_dim, groups = config.num_attention_heads, config.head_dim, config.o_groups
         self.num_heads, self.head_dim, self.rope_dim = heads, head_dim, config.qk_rope_head_dim
@@ -45,6 +47,47 @@ class V4Attention(nn.Module):
         self.o_a_proj = nn.Linear(heads * head_dim // groups, groups * config.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        if layer_type == CSA:
+            self.compressor = CSACompressor(config, with_indexer=True)
+        elif layer_type == HCA:
+            self.compressor = HCACompressor(config)
+        else:
+            self.compressor = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, table: RotaryTable, backend,
+                layer_id: int) -> torch.Tensor:
+        """x [T, D] (normed collapsed streams), positions [T] global; `table` the layer's RoPE -> [T, D]."""
+        cos, sin = table.for_positions(positions)
+        q, q_residual = self.queries(x, cos, sin)
+        keys, valid = backend.window_keys(layer_id, self.key_values(x, cos, sin))  # [T, W, Dh], [T, W]
+        if self.compressor is not None:
+            extra_keys, extra_valid = self.compressed_keys(x, q_residual, positions, table, backend, layer_id)
+            keys, valid = torch.cat([keys, extra_keys], dim=1), torch.cat([valid, extra_valid], dim=1)
+        return self.output(self.attend(q, keys, valid), cos, sin)
+
+    def compressed_keys(self, x, q_residual, positions, table: RotaryTable, backend, layer_id: int):
+        """The compressed entries each query attends -> keys [T, K, Dh], valid [T, K]: every visible entry (HCA)
+        or the indexer's top-k of them (CSA)."""
+        compressor = self.compressor
+        entries = backend.compressed_entries(layer_id, compressor, table, *compressor.project(x))  # [n_s, Dh]
+        indexer = getattr(compressor, "indexer", None)
+        if indexer is not None:
+            index_keys = backend.compressed_entries(layer_id, indexer, table, *indexer.project(x))  # [n_s, d_I]
+            index_q, index_w = indexer.queries(x, q_residual, *table.for_positions(positions))
+        widths = [min(indexer.topk, e.shape[0]) if indexer is not None else e.shape[0] for e in entries]
+        keys = x.new_zeros((x.shape[0], max(widths, default=0), self.head_dim))
+        valid = torch.zeros(keys.shape[:2], dtype=torch.bool, device=x.device)
+        for s, rows in enumerate(backend.request_rows):
+            if rows.numel() == 0 or widths[s] == 0:
+                continue
+            if indexer is None:
+                keys[rows, : widths[s]] = entries[s].to(keys.dtype)
+                valid[rows, : widths[s]] = visible_entries(positions[rows], widths[s], compressor.rate)
+            else:
+                picked = indexer.select(index_q[rows], index_w[rows], index_keys[s], positions[rows])  # [t, k]
+                keys[rows, : widths[s]] = entries[s][picked.clamp_min(0)].to(keys.dtype)
+                valid[rows, : widths[s]] = picked >= 0
+        return keys, valid
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] (normed) -> (q [T, H, Dh] roped, q_residual [T, Q]: the normed q-lora the indexer reads)."""

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's compressors (../shared/deepseek_v4.md sections 2.6, 2.7): HCA and CSA.
+"""DeepSeek-V4's compressors (../shared/deepseek_v4.md sections 2.6, 2.7): HCA, CSA and the lightning indexer.
 
 Every closed window w of m tokens (positions w·m .. w·m+m-1, aligned to absolute positions) becomes one entry:
 a per-channel softmax over its slots of `gate + position_bias` weighting the projected rows, RMS-normed,
@@ -8,14 +8,16 @@ RoPE'd (compress table) at position w·m. A query at position p sees entry w iff
   (Cb) to its own, so entry w pools Ca of window w-1 and Cb of window w (2m slots; before window 0: none).
   The lightning indexer's keys come from a CSA compressor of its own width.
 
-A compressor keeps no state of its own: `project` gives each token's (kv, gate) rows, and the caller keeps the
-rows of the window still open (fewer than m) until it closes, plus for CSA the Ca half of the last closed
-window, so chunked prefill, decode, preemption and speculative rollback only have to keep or drop rows.
+A compressor keeps no state of its own: `project` gives each token's (kv, gate) rows and `entries` pools whole
+windows. The caller keeps the rows of the window still open until it closes and, for CSA, the rows of the
+last closed window (`lookback_windows`): it passes them again with the next rows and drops the entries it
+already has. Chunked prefill, decode, preemption and speculative rollback only have to keep or drop rows.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model_workers.model.layers import RMSNorm
@@ -24,8 +26,11 @@ from model_workers.model.v4_config import CSA, HCA, V4Config
 
 
 class WindowCompressor(nn.Module):
-    """What both compressors share: projections to `slots_per_row` · width, the position bias, the norm and the
+    """What both compressors share: projections to `halves` · width, the position bias, the norm and the
     pooling of whole windows into RoPE'd entries."""
+
+    lookback_windows = 0  # closed windows before the first new one whose rows `entries` must see again
+    state_name = "compressor"  # what the backend files this compressor's rows and entries under
 
     def __init__(self, config: V4Config, rate: int, width: int, halves: int):
         super().__init__()
@@ -67,24 +72,60 @@ class HCACompressor(WindowCompressor):
 
 
 class CSACompressor(WindowCompressor):
-    def __init__(self, config: V4Config, width: int | None = None):
-        """width: Dh for the attention's entries, index_head_dim for the lightning indexer's keys."""
-        super().__init__(config, config.compress_rates[CSA], width or config.head_dim, halves=2)
+    lookback_windows = 1  # entry w reads the Ca half of window w-1
 
-    def entries(self, kv: torch.Tensor, gate: torch.Tensor, first_window: int, table: RotaryTable,
-                previous: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Rows of whole windows (kv, gate [n·m, 2W]) and `previous`: the Ca half (kv, gate + bias [m, W]) of
-        window first_window - 1, None before window 0 -> (entries [n, W], the Ca half of the last window)."""
+    def __init__(self, config: V4Config, width: int | None = None, with_indexer: bool = False):
+        """width: Dh for the attention's entries, index_head_dim for the lightning indexer's keys; the attention's
+        compressor owns the indexer (`compressor.indexer`, as the checkpoint names it)."""
+        super().__init__(config, config.compress_rates[CSA], width or config.head_dim, halves=2)
+        if with_indexer:
+            self.indexer = LightningIndexer(config)
+
+    def entries(self, kv: torch.Tensor, gate: torch.Tensor, first_window: int, table: RotaryTable) -> torch.Tensor:
+        """Rows of whole windows (kv, gate [n·m, 2W]) -> entries [n, W]; window first_window's Ca slots are empty
+        (pass the rows from one window earlier and drop the first entry to fill them)."""
         kv, gate = self.windows(kv, gate)  # [n, m, 2W]
         num_windows, width, m = kv.shape[0], self.width, self.rate
         slots_kv = kv.new_zeros((num_windows, 2 * m, width))
         slots_gate = gate.new_full((num_windows, 2 * m, width), float("-inf"))
         slots_kv[:, m:], slots_gate[:, m:] = kv[..., width:], gate[..., width:]  # Cb: its own window
         slots_kv[1:, :m], slots_gate[1:, :m] = kv[:-1, :, :width], gate[:-1, :, :width]  # Ca of the window before
-        if previous is not None and num_windows:
-            slots_kv[0, :m], slots_gate[0, :m] = previous
-        last = (kv[-1, :, :width], gate[-1, :, :width]) if num_windows else previous
-        return self.pool(slots_kv, slots_gate, first_window, table), last
+        return self.pool(slots_kv, slots_gate, first_window, table)
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, config: V4Config):
+        super().__init__()
+        self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
+
+
+class LightningIndexer(CSACompressor):
+    """The CSA layer's lightning indexer: a CSA compressor at index_head_dim (its keys) plus the query side.
+    Score I(p, w) = Σ_h w_h · ReLU(q_h · K_w) · d^-½, with w = weights_proj(x) · H^-½ and q from the normed q-lora."""
+
+    state_name = "indexer"
+
+    def __init__(self, config: V4Config):
+        super().__init__(config, width=config.index_head_dim)
+        self.num_heads, self.topk = config.index_n_heads, config.index_topk
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.width, bias=False)
+        self.scorer = IndexerScorer(config)
+
+    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, D], q_residual [T, Q] -> (q [T, H_I, d_I] roped at the query positions, weights [T, H_I] fp32)."""
+        q = self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.width)
+        q = torch.cat([q[..., : -self.rope_dim], rotate_pairs(q[..., -self.rope_dim :], cos, sin)], dim=-1)
+        return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
+        """One request's queries (q [t, H_I, d_I], weights [t, H_I], positions [t]) over its keys [n, d_I] ->
+        entry ids [t, min(topk, n)] by score, -1 where the pick is not yet visible."""
+        scores = F.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * self.width**-0.5  # [t, H_I, n]
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [t, n]
+        visible = visible_entries(positions, keys.shape[0], self.rate)
+        picked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        threshold = ((positions + 1) // self.rate)[:, None]
+        return torch.where(picked < threshold, picked, -1)
 
 
 def visible_entries(positions: torch.Tensor, num_entries: int, rate: int) -> torch.Tensor:

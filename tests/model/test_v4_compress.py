@@ -64,14 +64,14 @@ def test_csa_entries_equal_transformers_and_carry_the_overlap_across_chunks():
     with torch.no_grad():
         expected, _ = reference(x, q_residual, torch.arange(length)[None], None, 0)  # [1, 1, 4, Dh]
         kv, gate = compressor.project(x[0])
-        whole, _ = compressor.entries(kv[:16], gate[:16], 0, table)
+        whole = compressor.entries(kv[:16], gate[:16], 0, table)
         torch.testing.assert_close(whole, expected[0, 0], atol=1e-5, rtol=0)
-        pieces, previous, windows, start = [], None, 0, 0
+        pieces, start = [], 0
         for end in (5, 6, 13, 18):  # chunk ends misaligned with the windows
             closed_end = end // rate * rate
-            if closed_end > start:
-                entries, previous = compressor.entries(kv[start:closed_end], gate[start:closed_end], windows, table,
-                                                       previous)
-                pieces.append(entries)
-                windows, start = closed_end // rate, closed_end
+            if closed_end > start:  # the rows again from one window back (its Ca half), that entry dropped
+                first = max(0, start // rate - compressor.lookback_windows)
+                entries = compressor.entries(kv[first * rate:closed_end], gate[first * rate:closed_end], first, table)
+                pieces.append(entries[start // rate - first:])
+                start = closed_end
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-6, rtol=0)

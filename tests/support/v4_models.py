@@ -20,3 +20,76 @@ def randomized(module, seed: int, num_experts: int | None = None):
             else:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator))
     return module
+
+
+# A tiny DeepSeek-V4 with every layer kind: sliding, CSA (rate 4, 8 indexer heads so ReLU ties do not decide
+# top-k), HCA (rate 8), hash and learned routing, YaRN touching the small RoPE dims (deepseek_v4.md section 7).
+TINY_V4 = dict(
+    model_type="deepseek_v4", vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32,
+    o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=8, index_head_dim=16, index_topk=3,
+    hc_mult=2, hc_sinkhorn_iters=3, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], max_position_embeddings=128, rope_theta=10000.0,
+    compress_rope_theta=160000.0, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                                "beta_fast": 32, "beta_slow": 1},
+    routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1)
+
+
+def randomize_v4(model, seed: int, num_experts: int):
+    """Every parameter of a V4 model (ours or `transformers`') at a scale that keeps activations sane: matrices
+    N(0, 0.08²); sinks, position biases, hc bases N(0, 0.5²); hc scales 1 ± 0.2; norm weights 1 ± 0.1; the
+    correction bias N(0, 0.1²); `tid2eid` a distinct random expert set per token. Names decide, so two models
+    with the same names get the same values."""
+    with torch.no_grad():
+        for name, tensor in sorted(list(model.named_parameters()) + list(model.named_buffers())):
+            if "inv_freq" in name:
+                continue
+            generator = torch.Generator().manual_seed(seed + sum(map(ord, name)) * 7919)
+            tensor.copy_(_random_like(name, tensor, generator, num_experts))
+    return model
+
+
+def _random_like(name: str, tensor: torch.Tensor, generator, num_experts: int) -> torch.Tensor:
+    def normal(std: float, mean: float = 0.0):
+        return mean + std * torch.randn(tensor.shape, generator=generator)
+
+    leaf = name.rsplit(".", 1)[-1]
+    if tensor.dtype == torch.long:
+        return torch.stack([torch.randperm(num_experts, generator=generator)[: tensor.shape[1]]
+                            for _ in range(tensor.shape[0])])
+    if leaf in ("sinks", "position_bias", "base", "hc_base"):
+        return normal(0.5)
+    if leaf in ("scale", "hc_scale"):
+        return normal(0.2 / 1.7, 1.0).clamp(0.8, 1.2)
+    if leaf == "e_score_correction_bias":
+        return normal(0.1)
+    if "norm" in name and leaf == "weight":
+        return normal(0.1 / 1.7, 1.0).clamp(0.9, 1.1)
+    return normal(0.08)
+
+
+def hf_v4(raw: dict, seed: int):
+    """`transformers`' DeepseekV4ForCausalLM of `raw`, randomised (float32, eager attention, eval)."""
+    import copy
+
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config(**copy.deepcopy(raw))
+    config._attn_implementation = "eager"
+    return randomize_v4(DeepseekV4ForCausalLM(config), seed, raw["n_routed_experts"]).eval()
+
+
+def ours_like(reference, raw: dict, num_mtp_layers: int = 0):
+    """Our DeepseekV4ForCausalLM of `raw` holding `reference`'s weights (the names match one to one)."""
+    from model_workers.model.v4_config import parse_v4_config
+    from model_workers.model.v4_model import DeepseekV4ForCausalLM
+
+    ours = DeepseekV4ForCausalLM(parse_v4_config(raw), num_mtp_layers)
+    weights = {k: v for k, v in reference.state_dict().items() if "rotary_emb" not in k}
+    missing, unexpected = ours.load_state_dict(weights, strict=False)
+    assert not unexpected and all(k.startswith(f"model.layers.{raw['num_hidden_layers']}.") for k in missing)
+    return ours.eval()

@@ -1,0 +1,109 @@
+"""The torch backend of DeepSeek-V4 over `V4Cache` (implements `model.backend.V4AttentionBackend`).
+
+A `V4Batch` says which requests a forward extends: each request's state, the position its new tokens
+start at and how many there are, in stream order (request after request), and which of this process's
+query rows belong to it. Without context parallelism the rows are the stream. `V4CPBackend` (cp_backend.py)
+first gathers every rank's rows into the stream, so every rank keeps every request's rows and entries and
+each compressed entry equals the one-rank entry; queries stay local.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_workers.kv_cache import PageTable
+from model_workers.v4_cache import ROLLBACK_TOKENS, CompressedState, RowsTail, V4Cache
+
+
+@dataclass(frozen=True)
+class V4Batch:
+    states: tuple[dict, ...]  # per request: its `V4Cache` state
+    starts: tuple[int, ...]  # per request: position of its first new token (= positions already cached)
+    lengths: tuple[int, ...]  # per request: new tokens, in stream order
+    positions: torch.Tensor  # [T] global position of each of this process's query rows
+    request_rows: tuple[torch.Tensor, ...]  # per request: its query rows into [T]
+
+    def stream_slices(self):
+        """(request index, stream offset, start, end) per request."""
+        offset = 0
+        for s, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            yield s, offset, start, start + length
+            offset += length
+
+
+def v4_batch(cache: V4Cache, tables: list[PageTable], lengths: list[int], positions: torch.Tensor,
+             request_rows: list[torch.Tensor]) -> V4Batch:
+    return V4Batch(tuple(cache.request(t) for t in tables), tuple(t.num_tokens for t in tables), tuple(lengths),
+                   positions, tuple(request_rows))
+
+
+def local_v4_batch(cache: V4Cache, tables: list[PageTable], lengths: list[int], device) -> V4Batch:
+    """Rows are the stream: request after request, positions table.num_tokens.. of each."""
+    positions = [torch.arange(t.num_tokens, t.num_tokens + n) for t, n in zip(tables, lengths)]
+    bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+    rows = [torch.arange(bounds[s], bounds[s + 1], device=device) for s in range(len(tables))]
+    flat = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+    return v4_batch(cache, tables, lengths, flat.to(device), rows)
+
+
+class V4TorchBackend:
+    def __init__(self, cache: V4Cache, exchange=None):
+        self.cache, self.exchange = cache, exchange
+        self.batch: V4Batch | None = None
+
+    def bind(self, batch: V4Batch) -> "V4TorchBackend":
+        self.batch = batch
+        return self
+
+    @property
+    def request_rows(self) -> tuple[torch.Tensor, ...]:
+        return self.batch.request_rows
+
+    def stream_rows(self, rows_local: torch.Tensor, tag: str) -> torch.Tensor:
+        """This process's rows [T, C] -> the batch's stream [N, C] (here: the same rows)."""
+        return rows_local
+
+    def window_keys(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, window = self.batch, self.cache.config.sliding_window
+        stream = self.stream_rows(kv, "kv")  # [N, Dh]
+        keys = kv.new_zeros((kv.shape[0], window, kv.shape[-1]))
+        valid = torch.zeros(keys.shape[:2], dtype=torch.bool, device=kv.device)
+        offsets = torch.arange(window, device=kv.device) - (window - 1)  # [W]
+        for s, offset, start, end in batch.stream_slices():
+            tail: RowsTail = batch.states[s].setdefault((layer_id, "window"), RowsTail())
+            first = max(0, start - (window - 1))
+            rows = torch.cat([tail.between(first, start, stream), stream[offset : offset + end - start]])
+            tail.keep(rows, first, end - (window - 1) - ROLLBACK_TOKENS)
+            query_rows = batch.request_rows[s]
+            key_positions = batch.positions[query_rows, None] + offsets  # [t, W]
+            keys[query_rows] = rows[(key_positions - first).clamp_min(0)]
+            valid[query_rows] = key_positions >= 0
+        return keys, valid
+
+    def compressed_entries(self, layer_id: int, compressor, table, kv: torch.Tensor,
+                           gate: torch.Tensor) -> list[torch.Tensor]:
+        batch, rate, lookback = self.batch, compressor.rate, compressor.lookback_windows
+        width = kv.shape[-1]
+        stream = self.stream_rows(torch.cat([kv, gate], dim=-1), "compress")  # [N, 2C]
+        out = []
+        for s, offset, start, end in batch.stream_slices():
+            state: CompressedState = batch.states[s].setdefault((layer_id, compressor.state_name), CompressedState())
+            done, closed = start // rate, end // rate  # entries already kept / after this batch
+            first = max(0, done - lookback)  # window whose rows come first
+            rows = torch.cat([state.rows.between(first * rate, start, stream), stream[offset : offset + end - start]])
+            kept = state.entries[:done] if state.entries is not None else stream.new_zeros((0, compressor.width))
+            if closed > done:
+                whole = rows[: (closed - first) * rate]
+                fresh = compressor.entries(whole[:, :width], whole[:, width:], first, table)[done - first :]
+                kept = torch.cat([kept, fresh])
+            state.entries = kept
+            state.rows.keep(rows, first * rate, (max(0, (end - ROLLBACK_TOKENS) // rate) - lookback) * rate)
+            out.append(kept)
+        return out
+
+    def routed_experts(self, layer_id: int, x, expert_ids, weights, experts) -> torch.Tensor:
+        if self.exchange is None:
+            return experts(x, expert_ids, weights)
+        return self.exchange.combine(x, expert_ids, weights, experts)

@@ -1,0 +1,133 @@
+"""DeepSeek-V4's cache on one rank (../shared/deepseek_v4.md section 3): what each request keeps between forwards.
+
+Per request and layer: the tail of raw K = V rows its sliding window still needs, and on CSA / HCA layers
+the compressed entries (and the CSA indexer's keys) plus the projected rows of windows not yet closed (CSA:
+also of the last closed window, whose Ca half the next entry pools). Everything is addressed by absolute
+position, never by "what came last", so a forward that starts at position n reads rows before n only:
+chunked prefill at any boundary, decode, and speculative rollback (the plan's `num_cached` moves back) are
+one code path, and rows or entries that rejected drafts wrote are simply overwritten. Each tail keeps
+`rollback_tokens` positions more than the next forward needs, which bounds how far a step may roll back.
+
+A request's state is filed under the first page of its page table: the scheduler's pages still budget every
+request's tokens (`check_room`), and the first page is the request's for as long as it lives on this rank.
+Preemption frees the pages and the next prefill starts at position 0, which reads nothing old.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model_workers.kv_cache import PageTable
+from model_workers.model.v4_config import CSA, HCA, V4Config
+
+ROLLBACK_TOKENS = 16  # a step may restart this many positions before the end of what it wrote
+
+
+class StateLost(RuntimeError):
+    """A forward starts at a position whose earlier rows this rank no longer keeps."""
+
+
+@dataclass
+class RowsTail:
+    """Rows of consecutive positions start, start + 1, ... (one row per position)."""
+
+    start: int = 0
+    rows: torch.Tensor | None = None
+
+    def between(self, first: int, end: int, like: torch.Tensor) -> torch.Tensor:
+        """Rows of positions first..end-1 [end - first, C]; `like` gives dtype and width when none are kept."""
+        if end <= first:
+            return like.new_zeros((0, like.shape[-1]))
+        kept_end = self.start + (0 if self.rows is None else self.rows.shape[0])
+        if first < self.start or end > kept_end:
+            raise StateLost(f"rows of positions {first}..{end - 1} are needed; this rank keeps "
+                            f"{self.start}..{kept_end - 1} (a rollback deeper than {ROLLBACK_TOKENS} tokens?)")
+        return self.rows[first - self.start : end - self.start]
+
+    def keep(self, rows: torch.Tensor, first: int, keep_from: int) -> None:
+        """rows [n, C] of positions first.. become the tail, from position max(first, keep_from) on."""
+        drop = max(0, keep_from - first)
+        self.start, self.rows = first + drop, rows[drop:].clone()
+
+
+@dataclass
+class CompressedState:
+    rows: RowsTail = field(default_factory=RowsTail)  # projected kv ‖ gate [n, 2C] of recent positions
+    entries: torch.Tensor | None = None  # [num_entries, width] of windows 0.. (beyond the valid count: stale)
+
+
+class V4Cache:
+    def __init__(self, config: V4Config, num_pages: int, page_size: int, num_mtp_layers: int = 0,
+                 dtype: torch.dtype = torch.float32):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages={num_pages}: must be positive")
+        self.config, self.num_pages, self.page_size = config, num_pages, page_size
+        self.num_mtp_layers, self.dtype = num_mtp_layers, dtype
+        self.states: dict[int, dict] = {}  # first page -> {(layer_id, name): RowsTail | CompressedState}
+
+    def check_room(self, table: PageTable, num_tokens: int) -> None:
+        """The plan's contract, as for the paged cache: `table` budgets positions 0..num_tokens-1."""
+        if len(table.pages) * self.page_size < num_tokens:
+            raise ValueError(f"page table of {len(table.pages)} pages x {self.page_size} holds fewer than the "
+                             f"{num_tokens} positions the step writes; the scheduler must grow it first")
+        if table.pages and not 0 <= min(table.pages) <= max(table.pages) < self.num_pages:
+            raise ValueError(f"page table {table.pages} names pages outside this cache's 0..{self.num_pages - 1}")
+
+    def request(self, table: PageTable) -> dict:
+        """The state of the request whose page table this is (created empty on its first forward)."""
+        if not table.pages:
+            raise ValueError("a V4 request needs at least one page (its state is filed under the first)")
+        return self.states.setdefault(table.pages[0], {})
+
+    def release(self, pages) -> None:
+        """Drops the state of the request whose page table starts with pages[0] (no-op if none is kept)."""
+        if pages:
+            self.states.pop(pages[0], None)
+
+    def rows(self, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
+        """Per layer: the compressed entries valid for positions 0..num_tokens-1 (None on sliding layers)."""
+        state, n = self.states.get(table.pages[0], {}), table.num_tokens
+        out = {"entries": [], "index_keys": []}
+        for layer_id in range(self.config.num_hidden_layers):
+            rate = self.config.compress_rate(layer_id)
+            for name, key in (("compressor", "entries"), ("indexer", "index_keys")):
+                kept = state.get((layer_id, name))
+                out[key].append(None if kept is None or not rate else kept.entries[: n // rate].cpu())
+        return out
+
+    def bytes_per_token(self) -> float:
+        """Amortised bytes one more token of context costs (the growing compressed entries); the bounded
+        per-request part is `request_bytes`."""
+        return bytes_per_token(self.config, torch.tensor([], dtype=self.dtype).element_size())
+
+    def request_bytes(self) -> int:
+        """Bytes of the bounded per-request state: window tails and open-window rows, at most."""
+        return request_bytes(self.config, self.num_mtp_layers, torch.tensor([], dtype=self.dtype).element_size())
+
+
+def bytes_per_token(config: V4Config, element_size: int) -> float:
+    """Σ over CSA layers of (Dh + d_I) / m, plus Σ over HCA layers of Dh / m', times the element size."""
+    per_token = 0.0
+    for layer_type in config.layer_types:
+        if layer_type == CSA:
+            per_token += (config.head_dim + config.index_head_dim) / config.compress_rates[CSA]
+        elif layer_type == HCA:
+            per_token += config.head_dim / config.compress_rates[HCA]
+    return per_token * element_size
+
+
+def request_bytes(config: V4Config, num_mtp_layers: int, element_size: int) -> int:
+    """Window tails (W - 1 + rollback rows of Dh per layer, MTP included) and compressor rows (CSA: two windows
+    of 2·(2·Dh) and 2·(2·d_I); HCA: one window of 2·Dh, each plus the rollback rows)."""
+    window = config.sliding_window - 1 + ROLLBACK_TOKENS
+    values = (config.num_hidden_layers + num_mtp_layers) * window * config.head_dim
+    for layer_type in config.layer_types:
+        if layer_type == CSA:
+            rows = 2 * config.compress_rates[CSA] + ROLLBACK_TOKENS
+            values += rows * 4 * (config.head_dim + config.index_head_dim)
+        elif layer_type == HCA:
+            values += (config.compress_rates[HCA] + ROLLBACK_TOKENS) * 2 * config.head_dim
+    return values * element_size
+

@@ -1,0 +1,108 @@
+"""DeepSeek-V4 end to end against `transformers`: prefill logits, chunked prefill at chunk sizes misaligned with
+both compression rates, token-by-token decode, batches, rolled-back speculation, and 32 greedy tokens."""
+
+import pytest
+import torch
+
+from model_workers.runner import ExtendItem, ModelRunner
+from support.v4_models import TINY_V4, hf_v4, ours_like
+
+
+@pytest.fixture(scope="module")
+def pair():
+    reference = hf_v4(TINY_V4, 1)
+    return reference, ours_like(reference, TINY_V4)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(2, TINY_V4["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_chunks(model, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of one request extended chunk by chunk."""
+    runner = ModelRunner(model, num_pages=16, page_size=16)
+    (table,) = runner.standalone_tables([len(ids)])
+    out, start = [], 0
+    for size in chunks:
+        hidden = runner.extend([ExtendItem(table, ids[start : start + size])])
+        with torch.no_grad():
+            out.append(model.logits(hidden))
+        start += size
+    assert start == len(ids)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("length", [7, 37, 70])
+def test_prefill_logits_equal_transformers(pair, length):
+    reference, ours = pair
+    ids = prompt(length, length)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(run_chunks(ours, ids, [length]), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [[3] * 15 + [1], [5, 7, 11, 13, 10], [1] * 46])
+def test_chunked_prefill_and_decode_equal_one_forward(pair, chunks):
+    _, ours = pair
+    ids = prompt(sum(chunks), 5)
+    whole = run_chunks(ours, ids, [len(ids)])
+    torch.testing.assert_close(run_chunks(ours, ids, chunks), whole, atol=2e-5, rtol=0)
+
+
+def test_a_batch_of_requests_equals_each_alone(pair):
+    _, ours = pair
+    prompts = [prompt(n, 40 + n) for n in (9, 30, 17)]
+    runner = ModelRunner(ours, num_pages=16, page_size=16)
+    tables = runner.standalone_tables([len(p) for p in prompts])
+    splits = [[4, 5], [13, 17], [8, 9]]
+    rows = [[] for _ in prompts]
+    for step in range(2):  # two batched steps: every request extends by its next chunk
+        items, lengths = [], []
+        for s, p in enumerate(prompts):
+            start = sum(splits[s][:step])
+            items.append(ExtendItem(tables[s], p[start : start + splits[s][step]]))
+            lengths.append(splits[s][step])
+        hidden = runner.extend(items)
+        with torch.no_grad():
+            for s, part in enumerate(ours.logits(hidden).split(lengths)):
+                rows[s].append(part)
+    for s, p in enumerate(prompts):
+        torch.testing.assert_close(torch.cat(rows[s]), run_chunks(ours, p, [len(p)]), atol=2e-5, rtol=0)
+
+
+def test_rolled_back_drafts_leave_no_trace(pair):
+    """Verify-style steps that write k + 1 tokens and keep fewer, some of them across window-closing positions
+    of both rates, then continue: the logits equal a run that never saw the rejected tokens."""
+    _, ours = pair
+    ids = prompt(40, 9)
+    runner = ModelRunner(ours, num_pages=16, page_size=16)
+    (table,) = runner.standalone_tables([64])
+    runner.extend([ExtendItem(table, ids[:6])])
+    got = []
+    position = 6
+    for keep in (1, 3, 2, 4, 1, 2, 3, 1, 4, 2, 3, 1):
+        drafts = ids[position : position + keep] + [int(t) % 100 + 2 for t in range(4 - keep + 1)]
+        hidden = runner.extend([ExtendItem(table, drafts)])  # writes positions position..position+4
+        with torch.no_grad():
+            got.append(ours.logits(hidden[:keep]))
+        position += keep
+        table.num_tokens = position  # the rejected drafts' state is behind the new end
+    expected = run_chunks(ours, ids[:position], [position])[6:]
+    torch.testing.assert_close(torch.cat(got), expected, atol=2e-5, rtol=0)
+
+
+def test_32_greedy_tokens_equal_transformers_generate(pair):
+    reference, ours = pair
+    ids = prompt(21, 3)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+    runner = ModelRunner(ours, num_pages=16, page_size=16)
+    (table,) = runner.standalone_tables([len(ids) + 32])
+    tokens, feed = [], ids
+    for _ in range(32):
+        hidden = runner.extend([ExtendItem(table, feed)])
+        with torch.no_grad():
+            feed = [int(ours.logits(hidden[-1:]).argmax())]
+        tokens += feed
+    assert tokens == expected
