@@ -1,4 +1,5 @@
-"""Load a Hugging Face DSA checkpoint (config.json + safetensors, sharded or not) into `DSAForCausalLM`.
+"""Load a Hugging Face DSA checkpoint (config.json + safetensors, sharded or not) into `DSAForCausalLM` or, for
+`model_type: deepseek_v4`, `DeepseekV4ForCausalLM` (its names and FP4 experts: v4_names.py).
 
 Streams tensor by tensor (never unpickles), stacks per-expert weights, dequantizes DeepSeek FP8
 block-quantized weights to the compute dtype, and fails with one line naming any missing, unexpected
@@ -19,11 +20,16 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from model_workers.checkpoint.v4_names import count_v4_mtp_layers, dequantize_fp4, module_name
 from model_workers.checkpoint.weight_classes import expert_of, is_fused_experts, owned_experts, weight_class
 from model_workers.model.config import ModelConfig, load_model_config
 from model_workers.model.decoder import DSAForCausalLM
+from model_workers.model.v4_config import V4Config
+from model_workers.model.v4_model import DeepseekV4ForCausalLM
 
-FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight",
+                       "sinks", "position_bias", "hc.fn", "hc.base", "hc.scale", "hc_fn", "hc_base", "hc_scale")
+Entries = dict  # our tensor name -> (safetensors file, the name stored there)
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -100,14 +106,26 @@ def load_model_with_report(
     experts = owned_experts(config.n_routed_experts, ep_rank, ep_size)
     files = checkpoint_files(model_dir)
     names = set(files)
-    num_mtp = count_mtp_layers(config, names)
-    config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp)
-    with torch.device("meta"):
-        model = DSAForCausalLM(config, mtp_layout(config, names, num_mtp), expert_ids=experts)
+    if isinstance(config, V4Config):
+        entries = {}
+        for name, file in files.items():
+            ours = module_name(name, config.num_hidden_layers)
+            if ours is not None:
+                entries[ours] = (file, name)
+        num_mtp = count_v4_mtp_layers(names, config.num_hidden_layers)
+        config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp)
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(config, num_mtp, expert_ids=experts)
+    else:
+        entries = {name: (file, name) for name, file in files.items()}
+        num_mtp = count_mtp_layers(config, names)
+        config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp)
+        with torch.device("meta"):
+            model = DSAForCausalLM(config, mtp_layout(config, names, num_mtp), expert_ids=experts)
     model.to_empty(device=device)
     params = _target_tensors(model, dtype)
     report = LoadReport(config.num_hidden_layers)
-    _fill(params, files, config, experts, report, progress)
+    _fill(params, entries, config, experts, report, progress)
     model.eval().requires_grad_(False)
     return model, report
 
@@ -116,6 +134,9 @@ def _target_tensors(model: DSAForCausalLM, dtype: torch.dtype) -> dict[str, torc
     """Every parameter and buffer by checkpoint name, cast to its load dtype (fp32 where the reference keeps it)."""
     targets = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not tensor.is_floating_point():  # tid2eid
+            targets[name] = tensor
+            continue
         wanted = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
         if tensor.dtype != wanted:
             tensor.data = tensor.data.to(wanted)
@@ -123,11 +144,12 @@ def _target_tensors(model: DSAForCausalLM, dtype: torch.dtype) -> dict[str, torc
     return targets
 
 
-def _fill(targets, files, config: ModelConfig, experts: range, report: LoadReport, progress: bool) -> None:
+def _fill(targets, entries: Entries, config: ModelConfig | V4Config, experts: range, report: LoadReport,
+          progress: bool) -> None:
     loaded: set[str] = set()
-    skip = _ignorable(config, set(files))
+    skip = _ignorable(config, set(entries))
     by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
+    for name, (file, _) in entries.items():
         expert = expert_of(name)
         if expert is not None and expert >= config.n_routed_experts:
             raise CheckpointError(f"{name}: expert {expert} >= n_routed_experts={config.n_routed_experts}")
@@ -140,7 +162,7 @@ def _fill(targets, files, config: ModelConfig, experts: range, report: LoadRepor
             raise CheckpointError(f"{file}: listed in the index but missing")
         with safe_open(file, "pt") as handle:
             for name in names:
-                tensor = _read(handle, name, files, config, experts, report)
+                tensor = _read(handle, name, entries, config, experts, report)
                 loaded |= _copy_into(targets, name, tensor, experts)
                 bar.update(1)
     bar.close()
@@ -149,7 +171,7 @@ def _fill(targets, files, config: ModelConfig, experts: range, report: LoadRepor
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]}")
 
 
-def _ignorable(config: ModelConfig, names: set[str]) -> set[str]:
+def _ignorable(config: ModelConfig | V4Config, names: set[str]) -> set[str]:
     """Tensors that are legitimately redundant: a tied lm_head, MTP copies of the shared embedding/head."""
     skip = {n for n in names if re.fullmatch(r"model\.layers\.\d+\.embed_tokens\.weight", n)}
     if config.tie_word_embeddings:
@@ -157,20 +179,25 @@ def _ignorable(config: ModelConfig, names: set[str]) -> set[str]:
     return skip & names
 
 
-def _read(handle, name: str, files, config: ModelConfig, experts: range, report: LoadReport) -> torch.Tensor:
-    """One checkpoint tensor (a fused expert tensor: only the rows of `experts`), FP8 dequantized."""
-    fused = is_fused_experts(name)
-    tensor = handle.get_slice(name)[experts.start : experts.stop] if fused else handle.get_tensor(name)
+def _read(handle, name: str, entries: Entries, config, experts: range, report: LoadReport) -> torch.Tensor:
+    """One checkpoint tensor (a fused expert tensor: only the rows of `experts`), FP8 / FP4 dequantized."""
+    fused, stored = is_fused_experts(name), entries[name][1]
+    tensor = handle.get_slice(stored)[experts.start : experts.stop] if fused else handle.get_tensor(stored)
     report.bytes_read[name] = tensor.nbytes
-    if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    fp4 = tensor.dtype == torch.int8 and expert_of(name) is not None
+    if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and not fp4:
         return tensor
     scale_name = name.replace(".weight", ".weight_scale_inv") if name.endswith(".weight") else name + "_scale_inv"
-    if scale_name not in files or config.fp8_block_size is None:
-        raise CheckpointError(f"{name}: FP8 tensor without {scale_name} / quantization_config in config.json")
-    with safe_open(files[scale_name], "pt") as scale_handle:
-        scale = scale_handle.get_slice(scale_name)[experts.start : experts.stop] if fused else \
-            scale_handle.get_tensor(scale_name)
+    if scale_name not in entries or (config.fp8_block_size is None and not fp4):
+        raise CheckpointError(f"{stored}: {'FP4' if fp4 else 'FP8'} tensor without its scale "
+                              f"({scale_name}) / quantization_config in config.json")
+    scale_file, scale_stored = entries[scale_name]
+    with safe_open(scale_file, "pt") as scale_handle:
+        scale = scale_handle.get_slice(scale_stored)[experts.start : experts.stop] if fused else \
+            scale_handle.get_tensor(scale_stored)
     report.bytes_read[scale_name] = scale.nbytes
+    if fp4:
+        return dequantize_fp4(tensor, scale)
     if fused:  # [E_local, out, in] with scales [E_local, out/b0, in/b1]
         return torch.stack([dequantize_fp8_blocks(w, s, config.fp8_block_size) for w, s in zip(tensor, scale)])
     return dequantize_fp8_blocks(tensor, scale, config.fp8_block_size)

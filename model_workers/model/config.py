@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 
 
 class ModelConfigError(ValueError):
@@ -86,7 +86,8 @@ class ModelConfig:
         return self.model_type == "glm_moe_dsa"
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
+def load_model_config(model_dir: str | Path):
+    """The folder's config.json as a `ModelConfig` (DeepSeek-V3.2, GLM-5) or a `V4Config` (DeepSeek-V4)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{path}: config.json not found (model directory must be a Hugging Face checkpoint)")
@@ -97,8 +98,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return parse_model_config(raw)
 
 
-def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+def parse_model_config(raw: dict[str, Any]):
+    """`ModelConfig` for DeepSeek-V3.2 / GLM-5, `V4Config` for DeepSeek-V4."""
     model_type = raw.get("model_type")
+    if model_type == "deepseek_v4":
+        from model_workers.model.v4_config import parse_v4_config  # it builds on this module
+
+        return parse_v4_config(raw)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(
             f"config.json model_type={model_type!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -142,7 +148,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         eos_token_ids=eos_ids(raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id"),
-        fp8_block_size=_fp8_block_size(raw.get("quantization_config")),
+        fp8_block_size=fp8_block_size(raw.get("quantization_config")),
         index_share_for_mtp_iteration=bool(raw.get("index_share_for_mtp_iteration", False)),
     )
 
@@ -218,7 +224,7 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _fp8_block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
+def fp8_block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
     if not quant:
         return None
     method = quant.get("quant_method")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model_workers.model.config import ModelConfigError, RopeSpec, eos_ids, required_int, rope_spec_from
+from model_workers.model.config import ModelConfigError, RopeSpec, eos_ids, fp8_block_size, required_int, rope_spec_from
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -54,7 +54,10 @@ class V4Config:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    fp8_block_size: tuple[int, int] | None = None  # FP8 e4m3 linears: the ue8m0 scale's block
+    expert_dtype: str | None = None  # routed experts as stored: "fp4", "fp8", or None (as the rest)
     model_type: str = "deepseek_v4"
+    index_share_for_mtp_iteration: bool = False  # GLM-5.2's MTP top-k reuse; V4's MTP block is sliding-only
 
     def compress_rate(self, layer_id: int) -> int:
         """m of a main layer's compressor (0 for sliding-only layers and for MTP layers)."""
@@ -86,6 +89,7 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=eos_ids(raw.get("eos_token_id")), bos_token_id=raw.get("bos_token_id"),
+        fp8_block_size=fp8_block_size(raw.get("quantization_config")), expert_dtype=_expert_dtype(raw),
     )
     _check(raw, config)
     return config
@@ -152,6 +156,13 @@ def _mlp_layer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
     if len(types) != layers or any(t not in (HASH_MOE, MOE) for t in types):
         raise ModelConfigError(f"config.json mlp_layer_types={types!r}: need {layers} entries of hash_moe / moe")
     return tuple(types)
+
+
+def _expert_dtype(raw: dict[str, Any]) -> str | None:
+    value = raw.get("expert_dtype", (raw.get("quantization_config") or {}).get("expert_dtype"))
+    if value not in (None, "fp4", "fp8"):
+        raise ModelConfigError(f"config.json expert_dtype={value!r}; allowed: fp4, fp8")
+    return value
 
 
 def _check(raw: dict[str, Any], config: V4Config) -> None:

@@ -85,7 +85,7 @@ def edit_tensors(folder, edit) -> None:
     ("missing", "missing 1 tensor(s), first: model.layers.0.self_attn.o_proj.weight"),
     ("shape", "model.layers.1.self_attn.kv_b_proj.weight: shape (3, 3) in checkpoint, expected (128, 32)"),
     ("unexpected", "unexpected tensor model.layers.0.self_attn.extra.weight"),
-    ("model_type", "model_type='llama' is not supported; allowed: deepseek_v32, glm_moe_dsa"),
+    ("model_type", "model_type='llama' is not supported; allowed: deepseek_v32, glm_moe_dsa, deepseek_v4"),
     ("no_weights", "no *.safetensors files"),
 ])
 def test_malformed_checkpoints_fail_with_one_line(checkpoint_copy, case, message):

@@ -1,0 +1,99 @@
+"""DeepSeek-V4 checkpoint names and formats (../shared/deepseek_v4.md section 5).
+
+Three spellings reach the loader, all mapped here onto our module names (which are `transformers`' module
+names): the module names themselves (`model.layers.i.self_attn.q_a_proj.weight`, what `state_dict()` holds),
+the release names (`layers.i.attn.wq_a.weight`, `embed.weight`, `head.weight`, `hc_head_fn`, `mtp.0.*` with
+`e_proj` / `h_proj`), and the mix `transformers`' `save_pretrained` writes (release names under `model.`, with
+`embed_tokens`, `hc_head.hc_*` and the main kv norm as `attn.norm`). Release FP8 linears carry a ue8m0
+`.scale` per 128×128 block; routed experts may be FP4: int8 holding two e2m1 codes (low nibble = even input
+column) with one ue8m0 scale per 32 inputs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_LAYER = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.(.+)$")
+_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+        "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+        "hc_head_scale": "model.hc_head.hc_scale", "model.head.weight": "lm_head.weight"}
+# Inside a block, in order: (release / save_pretrained pattern, module name). Anchored at the block's start.
+_BLOCK = [
+    (r"attn_norm\.", "input_layernorm."), (r"ffn_norm\.", "post_attention_layernorm."),
+    (r"hc_attn_(fn|base|scale)$", r"attn_hc.\1"), (r"hc_ffn_(fn|base|scale)$", r"ffn_hc.\1"),
+    (r"attn\.attn_sink$", "self_attn.sinks"),
+    (r"attn\.indexer\.compressor\.", "self_attn.compressor.indexer."),
+    (r"attn\.indexer\.wq_b\.", "self_attn.compressor.indexer.q_b_proj."),
+    (r"attn\.indexer\.weights_proj\.", "self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"attn\.(wq_a|q_norm|wq_b|wkv|kv_norm|norm|wo_a|wo_b)\.", lambda m: f"self_attn.{_ATTN[m.group(1)]}."),
+    (r"attn\.", "self_attn."),
+    (r"ffn\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    (r"ffn\.experts\.(\d+)\.(w[123])\.", lambda m: f"mlp.experts.{m.group(1)}.{_SWIGLU[m.group(2)]}."),
+    (r"ffn\.shared_experts\.(w[123])\.", lambda m: f"mlp.shared_experts.{_SWIGLU[m.group(1)]}."),
+    (r"ffn\.", "mlp."),
+    (r"hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),  # the MTP block's own head
+]
+_ATTN = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "kv_proj", "kv_norm": "kv_norm",
+         "norm": "kv_norm", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}
+_COMPRESSOR = {"wkv.": "kv_proj.", "wgate.": "gate_proj.", "norm.": "kv_norm.", "ape": "position_bias"}
+_SWIGLU = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_MTP_SHARED = re.compile(r"^(emb|head)\.")  # MTP copies of the shared embedding / head: not read
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+FP4_GROUP = 32  # inputs per FP4 scale
+
+
+def module_name(name: str, num_hidden_layers: int) -> str | None:
+    """Our parameter name for checkpoint tensor `name` (its scale: the weight's name + `_scale_inv`), or None
+    for tensors a V4 model does not read (MTP copies of the embedding / head)."""
+    is_scale = name.endswith(".weight_scale_inv") or (name.endswith(".scale") and not name.endswith("_hc.scale"))
+    base = re.sub(r"\.(scale|weight_scale_inv)$", ".weight", name) if is_scale else name
+    if base in _TOP:
+        base = _TOP[base]
+    match = _LAYER.match(base)
+    if match and (not base.startswith("model.layers.") or _is_release_block(match.group(3))):
+        kind, index, rest = match.groups()
+        if kind == "mtp" and _MTP_SHARED.match(rest):
+            return None
+        layer = int(index) + (num_hidden_layers if kind == "mtp" else 0)
+        base = f"model.layers.{layer}.{_block_name(rest)}"
+    return base + "_scale_inv" if is_scale else base
+
+
+def _is_release_block(rest: str) -> bool:
+    return rest.startswith(("attn.", "ffn.", "attn_norm", "ffn_norm", "hc_attn_", "hc_ffn_", "hc_head_"))
+
+
+def _block_name(rest: str) -> str:
+    for pattern, replacement in _BLOCK:
+        renamed, count = re.subn("^" + pattern, replacement, rest)
+        if count:
+            rest = renamed
+            break
+    if rest.startswith("self_attn.compressor."):  # the compressors' own weight names
+        head, _, tail = rest.partition("compressor.")
+        prefix = "compressor.indexer." if tail.startswith("indexer.") else "compressor."
+        tail = tail.removeprefix("indexer.")
+        for old, new in _COMPRESSOR.items():
+            if tail.startswith(old):
+                tail = new + tail[len(old):]
+                break
+        rest = head + prefix + tail
+    return rest
+
+
+def count_v4_mtp_layers(names: set[str], num_hidden_layers: int) -> int:
+    count = 0
+    while (f"mtp.{count}.e_proj.weight" in names
+           or f"model.layers.{num_hidden_layers + count}.e_proj.weight" in names):
+        count += 1
+    return count
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """packed int8 [out, in/2] (low nibble = even input column), scale ue8m0 [out, in/32] -> float32 [out, in]."""
+    codes = packed.view(torch.uint8)
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()  # [out, in]
+    values = FP4_VALUES[nibbles]
+    return values * scale.float().repeat_interleave(FP4_GROUP, dim=-1)[:, : values.shape[-1]]

@@ -1,0 +1,141 @@
+"""DeepSeek-V4 checkpoints for the tests, written the way the release writes them: release names (`layers.i.attn.wq_a`,
+`embed`, `head`, `mtp.0.*`), a release config.json (`compress_ratios` with the trailing MTP entry,
+`num_hash_layers`, flat YaRN `rope_scaling`), FP8 e4m3 linears with ue8m0 128×128 scales and FP4 routed experts
+(two e2m1 codes per int8, low nibble = even column, a ue8m0 scale per 32 inputs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from model_workers.checkpoint.v4_names import FP4_GROUP, FP4_VALUES
+
+_TO_RELEASE = [  # our (transformers') module names -> release names, applied in order inside a block
+    (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
+    (r"attn_hc\.(fn|base|scale)$", r"hc_attn_\1"), (r"ffn_hc\.(fn|base|scale)$", r"hc_ffn_\1"),
+    (r"self_attn\.sinks$", "attn.attn_sink"),
+    (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
+    (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
+    (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
+    (r"self_attn\.compressor\.", "attn.compressor."),
+    (r"self_attn\.q_a_proj\.", "attn.wq_a."), (r"self_attn\.q_a_norm\.", "attn.q_norm."),
+    (r"self_attn\.q_b_proj\.", "attn.wq_b."), (r"self_attn\.kv_proj\.", "attn.wkv."),
+    (r"self_attn\.kv_norm\.", "attn.kv_norm."), (r"self_attn\.o_a_proj\.", "attn.wo_a."),
+    (r"self_attn\.o_b_proj\.", "attn.wo_b."),
+    (r"mlp\.gate\.e_score_correction_bias$", "ffn.gate.bias"), (r"mlp\.gate\.", "ffn.gate."),
+    (r"mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
+    (r"mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
+    (r"mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
+    (r"hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"mlp\.", "ffn."), (r"self_attn\.", "attn."),
+]
+_COMPRESSOR = [(r"kv_proj\.", "wkv."), (r"gate_proj\.", "wgate."), (r"kv_norm\.", "norm."), (r"position_bias$", "ape")]
+FP8_RELEASE = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)"
+                         r"\.weight$")
+
+
+def release_name(name: str, num_layers: int) -> str:
+    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+           "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    if name in top:
+        return top[name]
+    layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)$", name).groups()
+    for pattern, replacement in _TO_RELEASE:
+        rest, count = re.subn("^" + pattern, replacement, rest)
+        if count:
+            break
+    if ".compressor." in rest:
+        head, tail = rest.rsplit("compressor.", 1)
+        for pattern, replacement in _COMPRESSOR:
+            tail = re.sub("^" + pattern, replacement, tail)
+        rest = head + "compressor." + tail
+    layer = int(layer)
+    return f"mtp.{layer - num_layers}.{rest}" if layer >= num_layers else f"layers.{layer}.{rest}"
+
+
+def quantize_fp8_ue8m0(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (e4m3 [out, in], ue8m0 power-of-two scales [ceil(out/b), ceil(in/b)])."""
+    rows, cols = weight.shape
+    scales = torch.empty(math.ceil(rows / block), math.ceil(cols / block))
+    quantized = torch.empty_like(weight)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale = 2.0 ** math.ceil(math.log2(max(float(tile.abs().max()), 1e-30) / 448.0))
+            scales[i, j] = scale
+            quantized[i * block:(i + 1) * block, j * block:(j + 1) * block] = tile / scale
+    return quantized.to(torch.float8_e4m3fn), scales.to(torch.float8_e8m0fnu)
+
+
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (int8 [out, in/2] two e2m1 codes each, ue8m0 scales [out, in/32])."""
+    rows, cols = weight.shape
+    groups = weight.view(rows, cols // FP4_GROUP, FP4_GROUP)
+    scales = 2.0 ** torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))  # [out, in/32]
+    scaled = (groups / scales[..., None]).view(rows, cols)
+    codes = (scaled[..., None] - FP4_VALUES).abs().argmin(-1)  # [out, in] nearest e2m1 code
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scales.to(torch.float8_e8m0fnu)
+
+
+def release_config(raw: dict, quantized: bool, num_mtp: int) -> dict:
+    """`raw` (TINY_V4's transformers form) in the release form: compress_ratios with trailing MTP entries (and
+    one spare, as later releases carry), num_hash_layers, flat YaRN rope_scaling, qk_rope_head_dim."""
+    ratio = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    out = {k: v for k, v in raw.items() if k not in ("layer_types", "compress_rates", "mlp_layer_types")}
+    out["compress_ratios"] = [ratio[t] for t in raw["layer_types"]] + [0] * (num_mtp + 1)
+    out["compress_rate_hca"] = raw["compress_rates"]["heavily_compressed_attention"]
+    out["num_hash_layers"] = sum(t == "hash_moe" for t in raw["mlp_layer_types"])
+    out["num_nextn_predict_layers"] = num_mtp
+    if quantized:
+        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+        out["expert_dtype"] = "fp4"
+    return out
+
+
+def write_release_checkpoint(state: dict[str, torch.Tensor], raw: dict, folder: Path, quantized: bool,
+                             num_mtp: int = 0) -> dict[str, torch.Tensor]:
+    """Writes `state` (our names; stacked experts) under release names, quantized or not; returns `state` with
+    every quantized tensor replaced by its dequantized value (the twin the checkpoint must load as)."""
+    from safetensors.torch import save_file
+
+    from model_workers.checkpoint.v4_names import dequantize_fp4
+    from model_workers.checkpoint.loader import dequantize_fp8_blocks
+
+    layers, tensors, twin = raw["num_hidden_layers"], {}, dict(state)
+    for name, value in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix = release_name(name.rsplit(".experts.", 1)[0] + ".x", layers).rsplit(".", 1)[0]
+            pieces = {"w1": value[:, : value.shape[1] // 2], "w3": value[:, value.shape[1] // 2:]} \
+                if name.endswith("gate_up_proj") else {"w2": value}
+            dequantized = []
+            for w, stacked in pieces.items():
+                for e, weight in enumerate(stacked):
+                    key = f"{prefix}.experts.{e}.{w}"
+                    if quantized:
+                        packed, scale = quantize_fp4(weight)
+                        tensors[key + ".weight"], tensors[key + ".scale"] = packed, scale
+                        weight = dequantize_fp4(packed, scale)
+                    else:
+                        tensors[key + ".weight"] = weight.clone()
+                    dequantized.append(weight)
+            twin[name] = torch.stack(dequantized).view_as(value) if name.endswith("down_proj") else \
+                torch.cat([torch.stack(dequantized[: len(value)]), torch.stack(dequantized[len(value):])], dim=1)
+            continue
+        key = release_name(name, layers)
+        if quantized and FP8_RELEASE.search(key):
+            q, scale = quantize_fp8_ue8m0(value)
+            tensors[key], tensors[key.removesuffix("weight") + "scale"] = q, scale
+            twin[name] = dequantize_fp8_blocks(q, scale, (128, 128))
+        else:
+            tensors[key] = value.clone().contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(release_config(raw, quantized, num_mtp), indent=1))
+    return twin
