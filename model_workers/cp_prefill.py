@@ -13,13 +13,14 @@ import torch
 
 from cp_router.cp.metadata import RankMetadata
 from cp_router.plans import NEXT_ID_SAMPLED, PrefillShard, RequestOutput
-from model_workers.backends.cp_backend import CPBackend, gather_rows_global
+from model_workers.backends.cp_backend import CPBackend, cp_v4_batch, gather_rows_global
 from model_workers.backends.shared_topk import position_slots
 from model_workers.backends.torch_backend import ForwardBatch
 from model_workers.comm import LocalComm
 from model_workers.kv_cache import PageTable
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.sampler import sample, token_logprob
+from model_workers.v4_cache import V4Cache
 
 
 @dataclass
@@ -82,7 +83,10 @@ def topk_positions_global(
 def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -> dict[str, RequestOutput]:
     """Runs this rank's shard; returns the outputs of the requests this rank owns."""
     meta, model = shard.meta, ctx.model
-    batch = cp_forward_batch(ctx.tables, meta, ctx.page_size, ctx.device)
+    if isinstance(ctx.backend.cache, V4Cache):
+        batch = cp_v4_batch(ctx.backend.cache, ctx.tables, meta, ctx.device)
+    else:
+        batch = cp_forward_batch(ctx.tables, meta, ctx.page_size, ctx.device)
     ids_local = shard.token_ids_local.to(ctx.device)  # [T_logical]
     hidden_local = model(ids_local, batch.positions, ctx.backend.bind_shard(batch, meta, ctx.comm))  # [T_logical, D]
     for s, table in enumerate(ctx.tables):

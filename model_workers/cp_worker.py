@@ -27,7 +27,7 @@ from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forwar
 from model_workers.kv_cache import PageTable
 from model_workers.phase_clock import PhaseClock
 from model_workers.precision import compute_dtype, storage_dtype
-from model_workers.runner import ModelRunner
+from model_workers.runner import ModelRunner, make_backend
 
 
 class CPWorker:
@@ -75,7 +75,7 @@ class CPWorker:
         self.exchange = ExpertExchange(self.comm) if ep_size > 1 else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
                                   kv_dtype=storage, exchange=self.exchange)
-        self.backend = CPBackend(self.runner.cache, self.exchange)
+        self.backend = make_backend(self.runner.cache, self.exchange, cp=True)
         self.held = {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
@@ -139,7 +139,9 @@ class CPWorker:
     def free(self, request_ids: list[str]) -> None:
         """Drops the state of requests this rank owned (unknown ids are ignored: non-owners hold nothing)."""
         for request_id in request_ids:
-            self.held.pop(request_id, None)
+            held = self.held.pop(request_id, None)
+            if held is not None and held.pages and hasattr(self.runner.cache, "release"):
+                self.runner.cache.release(held.pages)  # DeepSeek-V4: the request's kept rows and entries
 
     def _plan_problem(self, plan: StepPlan) -> str | None:
         """What makes `plan` impossible on this rank (pages too few or outside the cache, a decode of a request
@@ -194,10 +196,12 @@ class CPWorker:
         ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size,
                              self.device)
         outputs = run_prefill(ctx, shard, return_logits)
-        for req in shard.requests:  # the owner keeps what decoding needs once the prompt is in the cache
+        for req, pages in zip(shard.requests, shard.page_tables):  # the owner keeps what decoding needs
             if req.owner_rank == self.cp_rank and req.final_chunk:
                 self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
-                                                        ctx.draft_topk.get(req.request_id))
+                                                        ctx.draft_topk.get(req.request_id), pages[:1])
+            elif req.final_chunk and hasattr(self.runner.cache, "release"):
+                self.runner.cache.release(pages)  # DeepSeek-V4: a non-owner's copy of the request's state
         return outputs
 
     def _prefill_rows(self, group_rows: tuple[int, ...], meta) -> ForwardRows:

@@ -41,6 +41,7 @@ class HeldRequest:
     sampling: SamplingParams
     draft_hidden: torch.Tensor | None = None  # [D] MTP output at the last cached position
     draft_topk: torch.Tensor | None = None  # [k'] MTP top-k slots there (MTP index sharing only)
+    pages: tuple[int, ...] = ()  # its first page (DeepSeek-V4 files the request's cache state under it)
 
 
 @dataclass

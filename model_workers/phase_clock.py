@@ -1,7 +1,8 @@
-"""Where a prefill's time goes: indexer, attention, MLP / MoE, communication, the rest.
+"""Where a prefill's time goes: indexer, compressor (DeepSeek-V4), attention, MLP / MoE, communication, the rest.
 
-`PhaseClock.attached(model, backend)` times module forwards with hooks and the backend's top-k and KV
-store calls by wrapping them, for the duration of a `with` block; nothing is left installed afterwards.
+`PhaseClock.attached(model, backend)` times module forwards with hooks and the backend's top-k, KV store
+and (V4) window / compressed-entry calls by wrapping them, and V4's indexer selection, for the duration of a
+`with` block; nothing is left installed afterwards.
 Times are host wall clock, which equals device time on CPU (synchronous); on CUDA they measure launch
 time only unless the caller synchronizes, so the split is a CPU measurement.
 """
@@ -16,8 +17,12 @@ from torch import nn
 
 from model_workers.model.attention import Indexer, MLAttention
 from model_workers.model.layers import MLP, MoE
+from model_workers.model.v4_attention import V4Attention
+from model_workers.model.v4_compress import LightningIndexer
 
-PHASES = ("indexer", "attention", "mlp", "communication", "other")
+PHASES = ("indexer", "compressor", "attention", "mlp", "communication", "other")
+BACKEND_PHASES = {"select_topk": "indexer", "store_kv": "kv_store", "window_keys": "kv_store",
+                  "compressed_entries": "compressor"}
 
 
 class PhaseClock:
@@ -34,23 +39,26 @@ class PhaseClock:
             if kind is not None and id(module) not in nested:
                 handles.append(module.register_forward_pre_hook(self._start_hook))
                 handles.append(module.register_forward_hook(self._stop_hook(kind)))
-        originals = {name: getattr(backend, name) for name in ("select_topk", "store_kv")}
-        backend.select_topk = self._timed(originals["select_topk"], "indexer")
-        backend.store_kv = self._timed(originals["store_kv"], "kv_store")
+        wrapped = [(backend, name, kind) for name, kind in BACKEND_PHASES.items() if hasattr(backend, name)]
+        wrapped += [(m, "select", "indexer") for m in model.modules() if isinstance(m, LightningIndexer)]
+        wrapped += [(m, "queries", "indexer") for m in model.modules() if isinstance(m, LightningIndexer)]
+        for owner, name, kind in wrapped:
+            setattr(owner, name, self._timed(getattr(owner, name), kind))
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
-            for name in originals:
-                delattr(backend, name)  # back to the class's method
+            for owner, name, _ in wrapped:
+                delattr(owner, name)  # back to the class's method
 
     def split(self, wall_s: float, comm_s: float) -> dict[str, float]:
-        """Seconds per phase of `PHASES`: attention excludes its indexer and KV store (gathers) calls;
-        communication is every collective of the step (`comm_s`); other is what is left of `wall_s`."""
-        indexer = self.seconds["indexer"]
-        attention = self.seconds["attention_total"] - indexer - self.seconds["kv_store"]
-        parts = {"indexer": indexer, "attention": attention, "mlp": self.seconds["mlp"], "communication": comm_s}
+        """Seconds per phase of `PHASES`: attention excludes its indexer, compressor and KV store (gathers)
+        calls; communication is every collective of the step (`comm_s`); other is what is left of `wall_s`."""
+        indexer, compressor = self.seconds["indexer"], self.seconds["compressor"]
+        attention = self.seconds["attention_total"] - indexer - compressor - self.seconds["kv_store"]
+        parts = {"indexer": indexer, "compressor": compressor, "attention": attention, "mlp": self.seconds["mlp"],
+                 "communication": comm_s}
         parts["other"] = max(0.0, wall_s - sum(parts.values()))
         return parts
 
@@ -75,7 +83,7 @@ class PhaseClock:
 def phase_of(module: nn.Module) -> str | None:
     if isinstance(module, Indexer):
         return "indexer"
-    if isinstance(module, MLAttention):
+    if isinstance(module, (MLAttention, V4Attention)):
         return "attention_total"
     if isinstance(module, (MoE, MLP)):
         return "mlp"

@@ -36,20 +36,20 @@ class RowsTail:
     start: int = 0
     rows: torch.Tensor | None = None
 
-    def between(self, first: int, end: int, like: torch.Tensor) -> torch.Tensor:
-        """Rows of positions first..end-1 [end - first, C]; `like` gives dtype and width when none are kept."""
-        if end <= first:
-            return like.new_zeros((0, like.shape[-1]))
+    def extend(self, needed_from: int, start: int, new_rows: torch.Tensor, keep_from: int) -> torch.Tensor:
+        """Appends new_rows [n, C] of positions start.. (dropping kept rows from start on: rolled back) and
+        returns the rows of positions needed_from..start+n-1; afterwards the tail keeps positions from
+        max(0, keep_from) on (or from what it has, if later)."""
         kept_end = self.start + (0 if self.rows is None else self.rows.shape[0])
-        if first < self.start or end > kept_end:
-            raise StateLost(f"rows of positions {first}..{end - 1} are needed; this rank keeps "
+        if needed_from < start and (needed_from < self.start or start > kept_end):
+            raise StateLost(f"rows of positions {needed_from}..{start - 1} are needed; this rank keeps "
                             f"{self.start}..{kept_end - 1} (a rollback deeper than {ROLLBACK_TOKENS} tokens?)")
-        return self.rows[first - self.start : end - self.start]
-
-    def keep(self, rows: torch.Tensor, first: int, keep_from: int) -> None:
-        """rows [n, C] of positions first.. become the tail, from position max(first, keep_from) on."""
-        drop = max(0, keep_from - first)
-        self.start, self.rows = first + drop, rows[drop:].clone()
+        read_from = needed_from if needed_from >= start else min(needed_from, max(keep_from, self.start))
+        history = self.rows[read_from - self.start : start - self.start] if read_from < start else new_rows[:0]
+        rows = torch.cat([history, new_rows])  # positions read_from .. start + n - 1
+        drop = max(0, keep_from - read_from)
+        self.start, self.rows = read_from + drop, rows[drop:].clone()
+        return rows[needed_from - read_from :]
 
 
 @dataclass

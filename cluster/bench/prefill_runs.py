@@ -15,8 +15,7 @@ from cluster.engine_setup import EngineOptions, collect, engine_over_workers
 from cp_router.cp.balance import max_over_mean
 from cp_router.plans import StepResult
 from cp_router.protocol import EngineRequest
-
-PHASE_NAMES = ("indexer", "attention", "mlp", "communication", "other")
+from model_workers.phase_clock import PHASES as PHASE_NAMES
 
 
 @dataclass

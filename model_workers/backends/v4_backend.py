@@ -73,9 +73,8 @@ class V4TorchBackend:
         offsets = torch.arange(window, device=kv.device) - (window - 1)  # [W]
         for s, offset, start, end in batch.stream_slices():
             tail: RowsTail = batch.states[s].setdefault((layer_id, "window"), RowsTail())
-            first = max(0, start - (window - 1))
-            rows = torch.cat([tail.between(first, start, stream), stream[offset : offset + end - start]])
-            tail.keep(rows, first, end - (window - 1) - ROLLBACK_TOKENS)
+            first = max(0, start - (window - 1))  # rows of positions first..end-1 below
+            rows = tail.extend(first, start, stream[offset : offset + end - start], end - (window - 1) - ROLLBACK_TOKENS)
             query_rows = batch.request_rows[s]
             key_positions = batch.positions[query_rows, None] + offsets  # [t, W]
             keys[query_rows] = rows[(key_positions - first).clamp_min(0)]
@@ -92,14 +91,14 @@ class V4TorchBackend:
             state: CompressedState = batch.states[s].setdefault((layer_id, compressor.state_name), CompressedState())
             done, closed = start // rate, end // rate  # entries already kept / after this batch
             first = max(0, done - lookback)  # window whose rows come first
-            rows = torch.cat([state.rows.between(first * rate, start, stream), stream[offset : offset + end - start]])
+            keep_from = (max(0, (end - ROLLBACK_TOKENS) // rate) - lookback) * rate
+            rows = state.rows.extend(first * rate, start, stream[offset : offset + end - start], keep_from)
             kept = state.entries[:done] if state.entries is not None else stream.new_zeros((0, compressor.width))
             if closed > done:
                 whole = rows[: (closed - first) * rate]
                 fresh = compressor.entries(whole[:, :width], whole[:, width:], first, table)[done - first :]
                 kept = torch.cat([kept, fresh])
             state.entries = kept
-            state.rows.keep(rows, first * rate, (max(0, (end - ROLLBACK_TOKENS) // rate) - lookback) * rate)
             out.append(kept)
         return out
 

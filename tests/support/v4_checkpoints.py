@@ -105,8 +105,8 @@ def write_release_checkpoint(state: dict[str, torch.Tensor], raw: dict, folder: 
     every quantized tensor replaced by its dequantized value (the twin the checkpoint must load as)."""
     from safetensors.torch import save_file
 
-    from model_workers.checkpoint.v4_names import dequantize_fp4
     from model_workers.checkpoint.loader import dequantize_fp8_blocks
+    from model_workers.checkpoint.v4_names import dequantize_fp4
 
     layers, tensors, twin = raw["num_hidden_layers"], {}, dict(state)
     for name, value in state.items():
@@ -139,3 +139,23 @@ def write_release_checkpoint(state: dict[str, torch.Tensor], raw: dict, folder: 
     save_file(tensors, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(release_config(raw, quantized, num_mtp), indent=1))
     return twin
+
+
+def v4_checkpoint_with_mtp(folder: Path, seed: int = 11, quantized: bool = False):
+    """A tiny V4 (TINY_V4) with an MTP block, written under release names. Returns (transformers target,
+    transformers-built MTP reference, folder); quantized: the references hold the dequantized twin."""
+    from support.v4_models import TINY_V4, HFMTPReference, hf_v4
+
+    target = hf_v4(TINY_V4, seed)
+    mtp = HFMTPReference(target, seed + 1)
+    state = {k: v for k, v in target.state_dict().items() if "rotary_emb" not in k}
+    state.update(mtp.our_weights(TINY_V4["num_hidden_layers"]))
+    twin = write_release_checkpoint(state, TINY_V4, folder, quantized, num_mtp=1)
+    target.load_state_dict({k: v for k, v in twin.items() if k in target.state_dict()}, strict=False)
+    prefix = f"model.layers.{TINY_V4['num_hidden_layers']}."
+    mtp.load_state_dict({("block." + k[len(prefix):] if not k[len(prefix):].startswith(_MTP_OWN) else k[len(prefix):]): v
+                         for k, v in twin.items() if k.startswith(prefix)}, strict=False)
+    return target, mtp, folder
+
+
+_MTP_OWN = ("enorm.", "hnorm.", "norm.", "e_proj.", "h_proj.", "hc_head.")

@@ -93,3 +93,63 @@ def ours_like(reference, raw: dict, num_mtp_layers: int = 0):
     missing, unexpected = ours.load_state_dict(weights, strict=False)
     assert not unexpected and all(k.startswith(f"model.layers.{raw['num_hidden_layers']}.") for k in missing)
     return ours.eval()
+
+
+class HFMTPReference(torch.nn.Module):
+    """DeepSeek-V4's MTP block assembled from `transformers`' own V4 modules (deepseek_v4.md section 4.4), since
+    transformers has none: e_proj(enorm(embed(t_{i+1}))) + h_proj(hnorm(streams_i)) -> one sliding-only,
+    learned-routing decoder layer -> its own hc_head and norm -> the target's lm_head."""
+
+    def __init__(self, target, seed: int):
+        import copy
+
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+            DeepseekV4DecoderLayer,
+            DeepseekV4HyperHead,
+            DeepseekV4RMSNorm,
+            DeepseekV4RotaryEmbedding,
+        )
+
+        super().__init__()
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers, config.layer_types, config.mlp_layer_types = 1, ["sliding_attention"], ["moe"]
+        hidden = config.hidden_size
+        self.config = config
+        self.block = DeepseekV4DecoderLayer(config, 0)
+        self.hc_head = DeepseekV4HyperHead(config)
+        self.enorm, self.hnorm, self.norm = (DeepseekV4RMSNorm(hidden, config.rms_norm_eps) for _ in range(3))
+        self.e_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.h_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.rotary = DeepseekV4RotaryEmbedding(config)
+        randomize_v4(self, seed, config.n_routed_experts)
+        self.eval()
+
+    def our_weights(self, num_layers: int) -> dict[str, torch.Tensor]:
+        """This block's weights under our names (`model.layers.{num_layers}.*`)."""
+        out = {}
+        for name, value in self.state_dict().items():
+            if "rotary" in name:
+                continue
+            out[f"model.layers.{num_layers}." + name.removeprefix("block.")] = value
+        return out
+
+    def draft_logits(self, target, ids: list[int]) -> torch.Tensor:
+        """Draft logits [T - 1, V] at positions 0..T-2 of `ids` (row i predicts t_{i+2} from t_{i+1} and h_i)."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        captured = {}
+        handle = target.model.hc_head.register_forward_pre_hook(lambda m, args: captured.update(streams=args[0]))
+        with torch.no_grad():
+            target(torch.tensor([ids]))
+            handle.remove()
+            next_ids = torch.tensor([ids[1:]])
+            positions = torch.arange(len(ids) - 1)[None]
+            embedded = self.e_proj(self.enorm(target.model.embed_tokens(next_ids)))  # [1, T-1, D]
+            x = embedded.unsqueeze(2) + self.h_proj(self.hnorm(captured["streams"][:, :-1]))  # [1, T-1, N, D]
+            mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embedded, attention_mask=None,
+                                                     cache=None, position_ids=positions)
+            tables = {kind: self.rotary(embedded, position_ids=positions, layer_type=kind)
+                      for kind in ("main", "compress")}
+            x = self.block(x, input_ids=next_ids, position_embeddings=tables, position_ids=positions,
+                           attention_mask=mask, cache=None)
+            return target.lm_head(self.norm(self.hc_head(x)))[0]

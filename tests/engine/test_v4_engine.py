@@ -1,0 +1,33 @@
+"""DeepSeek-V4 served by the engine (C = 1, in process) from a release-named checkpoint with an MTP block: greedy
+tokens equal `transformers` with speculation off and with k = 1, 2, 3 MTP drafts (chunked prefill on)."""
+
+import pytest
+import torch
+
+from cluster.engine_setup import EngineOptions, run_all
+from cp_router.protocol import EngineRequest
+from support.engines import local_engine
+from support.v4_checkpoints import v4_checkpoint_with_mtp
+
+
+@pytest.fixture(scope="module")
+def v4_model(tmp_path_factory):
+    return v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_mtp"))
+
+
+def reference_greedy(target, ids: list[int], count: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_greedy_with_and_without_mtp_speculation_equals_transformers(v4_model, k):
+    target, _, folder = v4_model
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 9, 17)]
+    engine = local_engine(folder, EngineOptions(num_speculative_steps=k, num_pages=16, page_size=16,
+                                                prefill_token_budget=16))
+    requests = [EngineRequest(f"v{i}", tuple(p), 24, temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
+    for prompt, result in zip(prompts, run_all(engine, requests)):
+        assert result["token_ids"] == reference_greedy(target, prompt, 24)
