@@ -36,6 +36,13 @@ class RowsTail:
     start: int = 0
     rows: torch.Tensor | None = None
 
+    def view(self, first: int, end: int) -> torch.Tensor | None:
+        """The kept rows of positions first..end-1 (read only), or None if they are not all kept."""
+        kept_end = self.start + (0 if self.rows is None else self.rows.shape[0])
+        if self.rows is None or first < self.start or end > kept_end:
+            return None
+        return self.rows[first - self.start : end - self.start]
+
     def extend(self, needed_from: int, start: int, new_rows: torch.Tensor, keep_from: int) -> torch.Tensor:
         """Appends new_rows [n, C] of positions start.. (dropping kept rows from start on: rolled back) and
         returns the rows of positions needed_from..start+n-1; afterwards the tail keeps positions from
@@ -87,10 +94,17 @@ class V4Cache:
             self.states.pop(pages[0], None)
 
     def rows(self, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
-        """Per layer: the compressed entries valid for positions 0..num_tokens-1 (None on sliding layers)."""
+        """What the request keeps for positions 0..num_tokens-1, per layer (MTP layers last in `window`): the
+        window's K = V rows of its last W - 1 positions, the compressed entries and the CSA indexer keys (None
+        where a layer has none)."""
         state, n = self.states.get(table.pages[0], {}), table.num_tokens
-        out = {"entries": [], "index_keys": []}
-        for layer_id in range(self.config.num_hidden_layers):
+        out = {"window": [], "entries": [], "index_keys": []}
+        for layer_id in range(self.config.num_hidden_layers + self.num_mtp_layers):
+            tail = state.get((layer_id, "window"))
+            first = max(0, n - (self.config.sliding_window - 1))
+            out["window"].append(None if tail is None else tail.view(first, n).cpu())
+            if layer_id >= self.config.num_hidden_layers:
+                continue
             rate = self.config.compress_rate(layer_id)
             for name, key in (("compressor", "entries"), ("indexer", "index_keys")):
                 kept = state.get((layer_id, name))

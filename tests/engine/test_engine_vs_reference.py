@@ -105,3 +105,24 @@ def test_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, models)
                       requests)
     assert [r["token_ids"] for r in grouped] == [r["token_ids"] for r in alone]
     assert len({tuple(r["token_ids"]) for r in alone}) == len(requests)  # sampled, not one greedy path
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, tmp_path_factory, k):
+    """DeepSeek-V4 on a C = 2 group: prompt chunks with a cached prefix run split over both ranks (interleave
+    v2), then MTP speculation at the owner; greedy tokens equal transformers."""
+    from support.v4_checkpoints import v4_checkpoint_with_mtp
+
+    target, _, folder = v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_c2"))
+    engine = cluster.engine(2, folder, "interleave", "v2", prefill_token_budget=CHUNK, num_speculative_steps=k,
+                            return_logits=False)
+    watch = ChunkWatch()
+    engine.add_step_observer(watch)
+    prompts = make_prompts([40, 23, 9], seed=19)
+    requests = [EngineRequest(f"v{i}", tuple(p), 12, temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
+    for prompt, result in zip(prompts, run_all(engine, requests)):
+        with torch.no_grad():
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)
+        assert result["token_ids"] == out[0, len(prompt):].tolist()
+    assert 16 in watch.prefixes and 32 in watch.prefixes

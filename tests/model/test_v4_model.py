@@ -106,3 +106,17 @@ def test_32_greedy_tokens_equal_transformers_generate(pair):
             feed = [int(ours.logits(hidden[-1:]).argmax())]
         tokens += feed
     assert tokens == expected
+
+
+def test_hash_routing_reads_each_rows_own_token_id(pair, monkeypatch):
+    """The checkpoint's tid2eid sends tokens to different experts, so a row routed by its neighbour's id changes
+    the output: CP / EP equality therefore also proves that ids follow their rows."""
+    from model_workers.model.v4_blocks import V4Gate
+
+    _, ours = pair
+    ids = prompt(20, 12)
+    aligned = run_chunks(ours, ids, [20])
+    original = V4Gate.forward
+    monkeypatch.setattr(V4Gate, "forward", lambda self, x, token_ids=None: original(self, x, token_ids.roll(1)))
+    shifted = run_chunks(ours, ids, [20])
+    assert (shifted - aligned).abs().amax(-1).min() > 1e-3  # every row changes

@@ -155,7 +155,8 @@ def cp_prefill(engine, prompts: list[list[int]], max_tokens: int = 1) -> tuple[P
 
 
 def assert_kv_equal(actual: dict, expected: dict, atol: float) -> None:
-    for name in ("latent", "index_keys"):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:  # latent, index_keys (MLA); window, entries, index_keys (DeepSeek-V4)
         for layer, (got, want) in enumerate(zip(actual[name], expected[name])):
             assert (got is None) == (want is None), f"{name}[{layer}]"
             if got is not None:

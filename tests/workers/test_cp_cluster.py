@@ -193,3 +193,42 @@ def test_unplaceable_group_fails_with_the_resources_it_asked_for(cluster, v32):
         launch_group(v32[1], cp, use_gpu=True, placement_timeout_s=2)
     states = [g["state"] for g in ray.util.placement_group_table().values()]
     assert states.count("CREATED") == len(cluster.groups)  # the failed group was removed
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    from support.v4_checkpoints import v4_checkpoint_with_mtp
+
+    target, _, folder = v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_cp"))
+    return target, folder
+
+
+def v4_batches(cp_size: int) -> list[list[int]]:
+    """Lengths < C, not divisible by C, crossing the window (8) and both compression rates (4, 8)."""
+    return [[37], [max(1, cp_size - 1), 23, 10]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_v4_cp_prefill_equals_single_process(cluster, v4, cp_size, strategy, impl):
+    """DeepSeek-V4: every rank pools the gathered compressor rows, so entries, window rows, last-token and MTP
+    logits equal one rank's (and transformers'), for both layouts; hash-routed rows keep their token ids."""
+    ref, folder = v4
+    engine = cluster.engine(cp_size, folder, strategy, impl)
+    for lens in v4_batches(cp_size):
+        prompts = make_prompts(lens, seed=sum(lens) + 1)
+        run, _ = cp_prefill(engine, prompts)
+        assert run.prefill_steps == 1 and run.cp_size_used == cp_size
+        check_against_single_process(run, single_process(folder, prompts), atol=1e-5, ref=ref, prompts=prompts)
+        assert_drained(engine)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_v4_cp_prefill_with_expert_parallelism_equals_single_process(cluster, v4, cp_size):
+    ref, folder = v4
+    engine = cluster.engine(cp_size, folder, "interleave", "v2", ep_size=cp_size)
+    prompts = make_prompts([31, max(1, cp_size - 1), 14], seed=5)
+    run, _ = cp_prefill(engine, prompts)
+    check_against_single_process(run, single_process(folder, prompts), atol=1e-5, ref=ref, prompts=prompts)
+    assert_drained(engine)
