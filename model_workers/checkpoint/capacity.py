@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from model_workers.checkpoint.saver import checkpoint_tensors
+from model_workers.checkpoint.v4_capacity import v4_checkpoint_shapes, v4_stored_bytes
 from model_workers.checkpoint.weight_classes import (
     WEIGHT_CLASSES,
     expert_of,
@@ -26,6 +27,8 @@ from model_workers.checkpoint.weight_classes import (
 )
 from model_workers.model.config import ModelConfig, load_model_config
 from model_workers.model.decoder import DSAForCausalLM
+from model_workers.model.v4_config import V4Config
+from model_workers.v4_cache import bytes_per_token, request_bytes
 
 KV_DTYPES = ("bfloat16", "float32", "fp8_e4m3")
 _FP8_GROUP = 128  # DESIGN §10: one float32 scale per 128 FP8 values
@@ -73,6 +76,10 @@ def checkpoint_tensor_list(raw: dict, config: ModelConfig) -> list[CheckpointTen
     dtype = checkpoint_dtype(raw)
     not_converted = tuple((raw.get("quantization_config") or {}).get("modules_to_not_convert") or ())
     layers = config.num_hidden_layers
+    if isinstance(config, V4Config):  # release names; classes and experts by our module names
+        return [CheckpointTensor(release, shape, weight_class(module, layers), expert_of(module),
+                                 v4_stored_bytes(release, module, shape, config, dtype))
+                for release, (module, shape) in v4_checkpoint_shapes(config).items()]
     return [
         CheckpointTensor(name, shape, weight_class(name, layers), expert_of(name),
                          stored_tensor_bytes(name, shape, dtype, config.fp8_block_size, not_converted))
@@ -169,15 +176,29 @@ def plan(model_dir: str | Path, cp_size: int, ep_size: int, kv_cache_dtype: str 
     config = load_model_config(model_dir)
     raw = json.loads(path.read_text())
     check_parallelism(cp_size, ep_size, config.n_routed_experts)
+    if isinstance(config, V4Config):
+        return v4_plan(model_dir, raw, config, cp_size, ep_size, kv_cache_dtype, device_memory_gib)
     kv_per_token = kv_bytes_per_token(config, kv_cache_dtype)
     if device_memory_gib is not None:
         kv_tokens_that_fit(device_memory_gib, 0, kv_per_token)  # validates G before the model is built
     tensors = checkpoint_tensor_list(raw, config)
-    ranks = [rank_bytes(tensors, config.n_routed_experts, r, ep_size) for r in range(cp_size)]
-    totals = [rank["weight_bytes"] for rank in ranks]
     latent, index = kv_layer_bytes(config, kv_cache_dtype)
     indexed = indexed_cache_layers(config)
-    out = {
+    out = weights_plan(model_dir, raw, config, cp_size, ep_size, kv_cache_dtype, device_memory_gib, tensors)
+    out.update(kv={"cache_layers": len(indexed), "indexed_layers": sum(indexed), "latent_bytes_per_layer": latent,
+                   "index_bytes_per_layer": index}, kv_bytes_per_token=kv_per_token)
+    if device_memory_gib is not None:
+        fit, weights_fit = kv_tokens_that_fit(device_memory_gib, out["max_rank_weight_bytes"], kv_per_token)
+        out.update(kv_tokens_that_fit=fit, weights_fit=weights_fit)
+    return out
+
+
+def weights_plan(model_dir, raw: dict, config, cp_size: int, ep_size: int, kv_cache_dtype: str,
+                 device_memory_gib: float | None, tensors: list[CheckpointTensor]) -> dict:
+    """The plan's model, inputs, checkpoint and per-rank weight parts (both families)."""
+    ranks = [rank_bytes(tensors, config.n_routed_experts, r, ep_size) for r in range(cp_size)]
+    totals = [rank["weight_bytes"] for rank in ranks]
+    return {
         "model": str(model_dir),
         "model_type": config.model_type,
         "inputs": {"cp_size": cp_size, "ep_size": ep_size, "kv_cache_dtype": kv_cache_dtype,
@@ -189,11 +210,24 @@ def plan(model_dir: str | Path, cp_size: int, ep_size: int, kv_cache_dtype: str 
         "ranks": ranks,
         "per_rank_weight_bytes": totals,
         "max_rank_weight_bytes": max(totals),
-        "kv": {"cache_layers": len(indexed), "indexed_layers": sum(indexed),
-               "latent_bytes_per_layer": latent, "index_bytes_per_layer": index},
-        "kv_bytes_per_token": kv_per_token,
     }
+
+
+def v4_plan(model_dir, raw: dict, config: V4Config, cp_size: int, ep_size: int, kv_cache_dtype: str,
+            device_memory_gib: float | None) -> dict:
+    """DeepSeek-V4: KV grows by the compressed entries only (`bytes_per_token`); each request also holds a
+    bounded state (window tails, open compressor windows: `request_bytes`)."""
+    if kv_cache_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not available for deepseek_v4 yet; "
+                         f"allowed: bfloat16, float32")
+    width = {"float32": 4, "bfloat16": 2}[kv_cache_dtype]
+    tensors = checkpoint_tensor_list(raw, config)
+    out = weights_plan(model_dir, raw, config, cp_size, ep_size, kv_cache_dtype, device_memory_gib, tensors)
+    per_token = bytes_per_token(config, width)
+    out.update(kv={"layer_types": {t: config.layer_types.count(t) for t in sorted(set(config.layer_types))},
+                   "request_state_bytes": request_bytes(config, config.num_nextn_predict_layers, width)},
+               kv_bytes_per_token=per_token)
     if device_memory_gib is not None:
-        fit, weights_fit = kv_tokens_that_fit(device_memory_gib, max(totals), kv_per_token)
+        fit, weights_fit = kv_tokens_that_fit(device_memory_gib, out["max_rank_weight_bytes"], math.ceil(per_token))
         out.update(kv_tokens_that_fit=fit, weights_fit=weights_fit)
     return out

@@ -42,6 +42,9 @@ _SWIGLU = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _MTP_SHARED = re.compile(r"^(emb|head)\.")  # MTP copies of the shared embedding / head: not read
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 FP4_GROUP = 32  # inputs per FP4 scale
+# Release tensors stored FP8 e4m3 with a ue8m0 scale per 128×128 block (section 5.3); routed experts: `expert_dtype`.
+FP8_RELEASE = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)"
+                         r"\.weight$")
 
 
 def module_name(name: str, num_hidden_layers: int) -> str | None:
@@ -81,6 +84,51 @@ def _block_name(rest: str) -> str:
                 break
         rest = head + prefix + tail
     return rest
+
+
+_TO_RELEASE = [  # our module names -> release names: the first pattern that matches inside a block
+    (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
+    (r"attn_hc\.(fn|base|scale)$", r"hc_attn_\1"), (r"ffn_hc\.(fn|base|scale)$", r"hc_ffn_\1"),
+    (r"self_attn\.sinks$", "attn.attn_sink"),
+    (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
+    (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
+    (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
+    (r"self_attn\.compressor\.", "attn.compressor."),
+    (r"self_attn\.q_a_proj\.", "attn.wq_a."), (r"self_attn\.q_a_norm\.", "attn.q_norm."),
+    (r"self_attn\.q_b_proj\.", "attn.wq_b."), (r"self_attn\.kv_proj\.", "attn.wkv."),
+    (r"self_attn\.kv_norm\.", "attn.kv_norm."), (r"self_attn\.o_a_proj\.", "attn.wo_a."),
+    (r"self_attn\.o_b_proj\.", "attn.wo_b."),
+    (r"mlp\.gate\.e_score_correction_bias$", "ffn.gate.bias"), (r"mlp\.gate\.", "ffn.gate."),
+    (r"mlp\.experts\.(\d+)\.gate_proj\.", r"ffn.experts.\1.w1."), (r"mlp\.experts\.(\d+)\.down_proj\.", r"ffn.experts.\1.w2."),
+    (r"mlp\.experts\.(\d+)\.up_proj\.", r"ffn.experts.\1.w3."),
+    (r"mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
+    (r"mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
+    (r"mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
+    (r"hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"mlp\.", "ffn."), (r"self_attn\.", "attn."),
+]
+_RELEASE_COMPRESSOR = [(r"kv_proj\.", "wkv."), (r"gate_proj\.", "wgate."), (r"kv_norm\.", "norm."), (r"position_bias$", "ape")]
+
+
+def release_name(name: str, num_layers: int) -> str:
+    """The release name of our (transformers') tensor `name`: `module_name`'s inverse (per-expert names in)."""
+    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+           "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    if name in top:
+        return top[name]
+    layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)$", name).groups()
+    for pattern, replacement in _TO_RELEASE:
+        rest, count = re.subn("^" + pattern, replacement, rest)
+        if count:
+            break
+    if ".compressor." in rest:
+        head, tail = rest.rsplit("compressor.", 1)
+        for pattern, replacement in _RELEASE_COMPRESSOR:
+            tail = re.sub("^" + pattern, replacement, tail)
+        rest = head + "compressor." + tail
+    layer = int(layer)
+    return f"mtp.{layer - num_layers}.{rest}" if layer >= num_layers else f"layers.{layer}.{rest}"
 
 
 def count_v4_mtp_layers(names: set[str], num_hidden_layers: int) -> int:

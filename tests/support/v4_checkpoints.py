@@ -12,51 +12,7 @@ from pathlib import Path
 
 import torch
 
-from model_workers.checkpoint.v4_names import FP4_GROUP, FP4_VALUES
-
-_TO_RELEASE = [  # our (transformers') module names -> release names, applied in order inside a block
-    (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
-    (r"attn_hc\.(fn|base|scale)$", r"hc_attn_\1"), (r"ffn_hc\.(fn|base|scale)$", r"hc_ffn_\1"),
-    (r"self_attn\.sinks$", "attn.attn_sink"),
-    (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
-    (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
-    (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
-    (r"self_attn\.compressor\.", "attn.compressor."),
-    (r"self_attn\.q_a_proj\.", "attn.wq_a."), (r"self_attn\.q_a_norm\.", "attn.q_norm."),
-    (r"self_attn\.q_b_proj\.", "attn.wq_b."), (r"self_attn\.kv_proj\.", "attn.wkv."),
-    (r"self_attn\.kv_norm\.", "attn.kv_norm."), (r"self_attn\.o_a_proj\.", "attn.wo_a."),
-    (r"self_attn\.o_b_proj\.", "attn.wo_b."),
-    (r"mlp\.gate\.e_score_correction_bias$", "ffn.gate.bias"), (r"mlp\.gate\.", "ffn.gate."),
-    (r"mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
-    (r"mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
-    (r"mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
-    (r"hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
-    (r"mlp\.", "ffn."), (r"self_attn\.", "attn."),
-]
-_COMPRESSOR = [(r"kv_proj\.", "wkv."), (r"gate_proj\.", "wgate."), (r"kv_norm\.", "norm."), (r"position_bias$", "ape")]
-FP8_RELEASE = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)"
-                         r"\.weight$")
-
-
-def release_name(name: str, num_layers: int) -> str:
-    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
-           "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
-           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
-    if name in top:
-        return top[name]
-    layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)$", name).groups()
-    for pattern, replacement in _TO_RELEASE:
-        rest, count = re.subn("^" + pattern, replacement, rest)
-        if count:
-            break
-    if ".compressor." in rest:
-        head, tail = rest.rsplit("compressor.", 1)
-        for pattern, replacement in _COMPRESSOR:
-            tail = re.sub("^" + pattern, replacement, tail)
-        rest = head + "compressor." + tail
-    layer = int(layer)
-    return f"mtp.{layer - num_layers}.{rest}" if layer >= num_layers else f"layers.{layer}.{rest}"
-
+from model_workers.checkpoint.v4_names import FP4_GROUP, FP4_VALUES, FP8_RELEASE, release_name
 
 def quantize_fp8_ue8m0(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (e4m3 [out, in], ue8m0 power-of-two scales [ceil(out/b), ceil(in/b)])."""
@@ -92,6 +48,7 @@ def release_config(raw: dict, quantized: bool, num_mtp: int) -> dict:
     out["compress_rate_hca"] = raw["compress_rates"]["heavily_compressed_attention"]
     out["num_hash_layers"] = sum(t == "hash_moe" for t in raw["mlp_layer_types"])
     out["num_nextn_predict_layers"] = num_mtp
+    out["torch_dtype"] = "float32"  # what the unquantized tensors are written in
     if quantized:
         out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
