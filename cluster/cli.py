@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.commands import bench, generate, plan, serve, train
+from cluster.commands import bench, generate, plan, random_checkpoint, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     serve.add_parser(commands)
     plan.add_parser(commands)
+    random_checkpoint.add_parser(commands)
     return parser
 
 

@@ -111,6 +111,23 @@ class V4Cache:
                 out[key].append(None if kept is None or not rate else kept.entries[: n // rate].cpu())
         return out
 
+    def stored_bytes(self, table: PageTable) -> dict[str, dict[str, int]]:
+        """Bytes this rank keeps for the request, per layer type ("mtp" for MTP layers): `entries` (compressed
+        entries and indexer keys valid for its num_tokens positions: what grows with the context) and `state`
+        (window tails and compressor rows: bounded)."""
+        state, n = self.states.get(table.pages[0], {}), table.num_tokens
+        out: dict[str, dict[str, int]] = {}
+        for (layer_id, name), kept in state.items():
+            kind = self.config.layer_types[layer_id] if layer_id < self.config.num_hidden_layers else "mtp"
+            part = out.setdefault(kind, {"entries": 0, "state": 0})
+            if isinstance(kept, RowsTail):
+                part["state"] += _nbytes(kept.rows)
+            else:
+                rate = self.config.compress_rate(layer_id)
+                part["entries"] += _nbytes(kept.entries[: n // rate]) if kept.entries is not None else 0
+                part["state"] += _nbytes(kept.rows.rows)
+        return out
+
     def bytes_per_token(self) -> float:
         """Amortised bytes one more token of context costs (the growing compressed entries); the bounded
         per-request part is `request_bytes`."""
@@ -119,6 +136,10 @@ class V4Cache:
     def request_bytes(self) -> int:
         """Bytes of the bounded per-request state: window tails and open-window rows, at most."""
         return request_bytes(self.config, self.num_mtp_layers, torch.tensor([], dtype=self.dtype).element_size())
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def bytes_per_token(config: V4Config, element_size: int) -> float:
@@ -130,6 +151,18 @@ def bytes_per_token(config: V4Config, element_size: int) -> float:
         elif layer_type == HCA:
             per_token += config.head_dim / config.compress_rates[HCA]
     return per_token * element_size
+
+
+def gather_bytes_per_token(config: V4Config, num_mtp_layers: int, element_size: int) -> int:
+    """What CP prefill all-gathers per token: every layer's K = V row (Dh, MTP layers included) and the
+    compressors' projected kv ‖ gate rows (CSA: 2·2·Dh + 2·2·d_I with its indexer; HCA: 2·Dh)."""
+    values = (config.num_hidden_layers + num_mtp_layers) * config.head_dim
+    for layer_type in config.layer_types:
+        if layer_type == CSA:
+            values += 4 * (config.head_dim + config.index_head_dim)
+        elif layer_type == HCA:
+            values += 2 * config.head_dim
+    return values * element_size
 
 
 def request_bytes(config: V4Config, num_mtp_layers: int, element_size: int) -> int:

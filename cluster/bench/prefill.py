@@ -26,6 +26,9 @@ from model_workers.precision import storage_dtype
 
 KV_GATHER_FORMULA = "(C-1)/C * L * layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes"
 KV_TOKEN_FORMULA = "layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes (MTP layer included)"
+V4_GATHER_FORMULA = ("(C-1)/C * L * (layers * head_dim + CSA layers * 4 * (head_dim + index_head_dim)"
+                     " + HCA layers * 2 * head_dim) * dtype_bytes (MTP layers in `layers`)")
+V4_TOKEN_FORMULA = "(CSA layers * (head_dim + index_head_dim) / 4 + HCA layers * head_dim / 128) * dtype_bytes"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
 PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "repeats", "skip_equal_cores")
 PATHS = {"served": "the prompt in chunks of prefill_chunk_tokens, one engine step each (what serve runs)",
@@ -47,10 +50,26 @@ def add_parser(kinds) -> None:
 
 
 def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, dtype: str) -> float:
-    return (cp_size - 1) / cp_size * num_tokens * kv_bytes_per_token_formula(hf_config, dtype)
+    """KV bytes one rank receives in CP prefill (the per-layer gathers), by formula."""
+    if hf_config.get("model_type") == "deepseek_v4":
+        from model_workers.model.v4_config import parse_v4_config
+        from model_workers.v4_cache import gather_bytes_per_token
+
+        config = parse_v4_config(hf_config)
+        per_token = gather_bytes_per_token(config, int(hf_config.get("num_nextn_predict_layers") or 0),
+                                           storage_dtype(dtype).itemsize)
+    else:
+        per_token = kv_bytes_per_token_formula(hf_config, dtype)
+    return (cp_size - 1) / cp_size * num_tokens * per_token
 
 
-def kv_bytes_per_token_formula(hf_config: dict, dtype: str) -> int:
+def kv_bytes_per_token_formula(hf_config: dict, dtype: str) -> float:
+    """Cache bytes one more token of context costs on its owner, by formula."""
+    if hf_config.get("model_type") == "deepseek_v4":
+        from model_workers.model.v4_config import parse_v4_config
+        from model_workers.v4_cache import bytes_per_token
+
+        return bytes_per_token(parse_v4_config(hf_config), storage_dtype(dtype).itemsize)
     layers = hf_config["num_hidden_layers"] + int(hf_config.get("num_nextn_predict_layers") or 0)
     width = hf_config["kv_lora_rank"] + hf_config["qk_rope_head_dim"] + hf_config["index_head_dim"]
     return layers * width * storage_dtype(dtype).itemsize
@@ -150,13 +169,19 @@ def run_prefill(args: argparse.Namespace) -> int:
         "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "ep_size": cp.ep_size,
         "repeats": args.repeats,
         "prefill_chunk_tokens": ranks["prefill_chunk_tokens"], "paths": PATHS,
-        "kv_gather_formula": KV_GATHER_FORMULA, "kv_token_formula": KV_TOKEN_FORMULA,
+        **formula_texts(hf_config),
         "measured_kv_bytes_per_token": ranks["kv_bytes_per_token"],
         "formula_kv_bytes_per_token": kv_bytes_per_token_formula(hf_config, args.dtype),
         "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks]) for n in lengths],
     }
     emit(result, args)
     return 0
+
+
+def formula_texts(hf_config: dict) -> dict[str, str]:
+    if hf_config.get("model_type") == "deepseek_v4":
+        return {"kv_gather_formula": V4_GATHER_FORMULA, "kv_token_formula": V4_TOKEN_FORMULA}
+    return {"kv_gather_formula": KV_GATHER_FORMULA, "kv_token_formula": KV_TOKEN_FORMULA}
 
 
 def emit(result: dict, args: argparse.Namespace) -> None:

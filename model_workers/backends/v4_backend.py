@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from model_workers.kv_cache import PageTable
+from model_workers.model.v4_attention import sliding_window_keys
 from model_workers.v4_cache import ROLLBACK_TOKENS, CompressedState, RowsTail, V4Cache
 
 
@@ -65,27 +66,29 @@ class V4TorchBackend:
         """This process's rows [T, C] -> the batch's stream [N, C] (here: the same rows)."""
         return rows_local
 
+    def kept_rows(self, rows_local: torch.Tensor, tag: str) -> torch.Tensor:
+        """The rows as the cache keeps them (its dtype, as a paged KV cache stores keys) in stream order."""
+        return self.stream_rows(rows_local.to(self.cache.dtype), tag)
+
     def window_keys(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, window = self.batch, self.cache.config.sliding_window
-        stream = self.stream_rows(kv, "kv")  # [N, Dh]
+        stream = self.kept_rows(kv, "kv")  # [N, Dh]
         keys = kv.new_zeros((kv.shape[0], window, kv.shape[-1]))
         valid = torch.zeros(keys.shape[:2], dtype=torch.bool, device=kv.device)
-        offsets = torch.arange(window, device=kv.device) - (window - 1)  # [W]
         for s, offset, start, end in batch.stream_slices():
             tail: RowsTail = batch.states[s].setdefault((layer_id, "window"), RowsTail())
             first = max(0, start - (window - 1))  # rows of positions first..end-1 below
             rows = tail.extend(first, start, stream[offset : offset + end - start], end - (window - 1) - ROLLBACK_TOKENS)
             query_rows = batch.request_rows[s]
-            key_positions = batch.positions[query_rows, None] + offsets  # [t, W]
-            keys[query_rows] = rows[(key_positions - first).clamp_min(0)]
-            valid[query_rows] = key_positions >= 0
+            request_keys, valid[query_rows] = sliding_window_keys(rows, batch.positions[query_rows], window, first)
+            keys[query_rows] = request_keys.to(keys.dtype)
         return keys, valid
 
     def compressed_entries(self, layer_id: int, compressor, table, kv: torch.Tensor,
                            gate: torch.Tensor) -> list[torch.Tensor]:
         batch, rate, lookback = self.batch, compressor.rate, compressor.lookback_windows
         width = kv.shape[-1]
-        stream = self.stream_rows(torch.cat([kv, gate], dim=-1), "compress")  # [N, 2C]
+        stream = self.kept_rows(torch.cat([kv, gate], dim=-1), "kv")  # [N, 2C]: counted as KV gathers
         out = []
         for s, offset, start, end in batch.stream_slices():
             state: CompressedState = batch.states[s].setdefault((layer_id, compressor.state_name), CompressedState())
@@ -95,9 +98,9 @@ class V4TorchBackend:
             rows = state.rows.extend(first * rate, start, stream[offset : offset + end - start], keep_from)
             kept = state.entries[:done] if state.entries is not None else stream.new_zeros((0, compressor.width))
             if closed > done:
-                whole = rows[: (closed - first) * rate]
+                whole = rows[: (closed - first) * rate].to(kv.dtype)
                 fresh = compressor.entries(whole[:, :width], whole[:, width:], first, table)[done - first :]
-                kept = torch.cat([kept, fresh])
+                kept = torch.cat([kept, fresh.to(self.cache.dtype)])
             state.entries = kept
             out.append(kept)
         return out

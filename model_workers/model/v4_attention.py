@@ -117,13 +117,13 @@ class V4Attention(nn.Module):
         return torch.cat([nope, rotate_pairs(rope, cos, sin, inverse)], dim=-1)
 
 
-def sliding_window_keys(kv: torch.Tensor, positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's K = V rows kv [T, Dh] at positions 0..T-1 -> each query's window (p-W, p]:
+def sliding_window_keys(kv: torch.Tensor, positions: torch.Tensor, window: int,
+                        first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's K = V rows kv [n, Dh] of positions first, first+1, ... -> each query's window (p-W, p]:
     keys [T, W, Dh] (slot j = position p-W+1+j) and valid [T, W]."""
     offsets = torch.arange(window, device=kv.device) - (window - 1)  # [W]
     key_positions = positions[:, None] + offsets[None, :]  # [T, W]
-    valid = key_positions >= 0
-    return kv[key_positions.clamp_min(0)], valid
+    return kv[(key_positions - first).clamp_min(0)], key_positions >= 0
 
 
 __all__ = ["V4Attention", "attend_with_sinks", "sliding_window_keys"]

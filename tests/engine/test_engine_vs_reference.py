@@ -126,3 +126,17 @@ def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, tmp
                                   pad_token_id=0)
         assert result["token_ids"] == out[0, len(prompt):].tolist()
     assert 16 in watch.prefixes and 32 in watch.prefixes
+
+
+def test_v4_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, tmp_path_factory):
+    from support.v4_checkpoints import v4_checkpoint_with_mtp
+
+    _, _, folder = v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_sampling"), seed=23)
+    prompts = make_prompts([30, 12, 5], seed=29)
+    requests = [EngineRequest(f"s{i}", tuple(p), 16, temperature=0.8, top_p=0.95, seed=200 + i, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+    alone = run_all(local_engine(folder, EngineOptions(num_speculative_steps=2, num_pages=64, page_size=8)), requests)
+    grouped = run_all(cluster.engine(2, folder, "interleave", "legacy", num_speculative_steps=2, return_logits=False),
+                      requests)
+    assert [r["token_ids"] for r in grouped] == [r["token_ids"] for r in alone]
+    assert len({tuple(r["token_ids"]) for r in alone}) == len(requests)

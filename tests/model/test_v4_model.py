@@ -120,3 +120,23 @@ def test_hash_routing_reads_each_rows_own_token_id(pair, monkeypatch):
     monkeypatch.setattr(V4Gate, "forward", lambda self, x, token_ids=None: original(self, x, token_ids.roll(1)))
     shifted = run_chunks(ours, ids, [20])
     assert (shifted - aligned).abs().amax(-1).min() > 1e-3  # every row changes
+
+
+def test_kv_bytes_per_token_measured_equal_the_formula(pair):
+    """What the cache holds for a request after n tokens: compressed entries that grow by (Dh + d_I) / m per token
+    on CSA layers and Dh / m' on HCA layers (the formula `bytes_per_token`), plus a bounded state."""
+    _, ours = pair
+    runner = ModelRunner(ours, num_pages=16, page_size=16)
+    (table,) = runner.standalone_tables([96])
+    stored = []
+    for length in (32, 96):
+        runner.extend([ExtendItem(table, prompt(length - table.num_tokens, length))])
+        stored.append(runner.cache.stored_bytes(table))
+    element = 4  # float32 model
+    assert stored[1]["compressed_sparse_attention"]["entries"] == 2 * (96 // 4) * (32 + 16) * element
+    assert stored[1]["heavily_compressed_attention"]["entries"] == (96 // 8) * 32 * element
+    assert stored[1]["sliding_attention"]["entries"] == 0
+    growth = sum(part["entries"] for part in stored[1].values()) - sum(part["entries"] for part in stored[0].values())
+    assert growth == runner.cache.bytes_per_token() * (96 - 32)
+    assert stored[1]["sliding_attention"]["state"] == stored[0]["sliding_attention"]["state"]  # a window tail
+    assert sum(part["state"] for part in stored[1].values()) <= runner.cache.request_bytes()

@@ -232,3 +232,13 @@ def test_v4_cp_prefill_with_expert_parallelism_equals_single_process(cluster, v4
     run, _ = cp_prefill(engine, prompts)
     check_against_single_process(run, single_process(folder, prompts), atol=1e-5, ref=ref, prompts=prompts)
     assert_drained(engine)
+
+
+def test_v4_cp_prefill_in_bfloat16_equals_single_process(cluster, v4):
+    """bf16 weights and cache: the gathered rows are the cache's (bf16) on every path, so C = 2 equals C = 1."""
+    _, folder = v4
+    engine = cluster.engine(2, folder, "interleave", "legacy", dtype="bfloat16")
+    prompts = make_prompts([33, 1, 12], seed=7)
+    run, _ = cp_prefill(engine, prompts)
+    check_against_single_process(run, single_process(folder, prompts, torch.bfloat16), atol=1e-5)
+    assert_drained(engine)
