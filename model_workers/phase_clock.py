@@ -21,7 +21,7 @@ from model_workers.model.v4_attention import V4Attention
 from model_workers.model.v4_compress import LightningIndexer
 
 PHASES = ("indexer", "compressor", "attention", "mlp", "communication", "other")
-BACKEND_PHASES = {"select_topk": "indexer", "store_kv": "kv_store", "window_keys": "kv_store",
+BACKEND_PHASES = {"select_topk": "indexer", "store_kv": "kv_store", "window_rows": "kv_store",
                   "compressed_entries": "compressor"}
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from model_workers.kv_cache import PageTable
-from model_workers.model.v4_attention import sliding_window_keys
 from model_workers.v4_cache import ROLLBACK_TOKENS, CompressedState, RowsTail, V4Cache
 
 
@@ -70,19 +69,16 @@ class V4TorchBackend:
         """The rows as the cache keeps them (its dtype, as a paged KV cache stores keys) in stream order."""
         return self.stream_rows(rows_local.to(self.cache.dtype), tag)
 
-    def window_keys(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def window_rows(self, layer_id: int, kv: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
         batch, window = self.batch, self.cache.config.sliding_window
         stream = self.kept_rows(kv, "kv")  # [N, Dh]
-        keys = kv.new_zeros((kv.shape[0], window, kv.shape[-1]))
-        valid = torch.zeros(keys.shape[:2], dtype=torch.bool, device=kv.device)
+        out = []
         for s, offset, start, end in batch.stream_slices():
             tail: RowsTail = batch.states[s].setdefault((layer_id, "window"), RowsTail())
-            first = max(0, start - (window - 1))  # rows of positions first..end-1 below
-            rows = tail.extend(first, start, stream[offset : offset + end - start], end - (window - 1) - ROLLBACK_TOKENS)
-            query_rows = batch.request_rows[s]
-            request_keys, valid[query_rows] = sliding_window_keys(rows, batch.positions[query_rows], window, first)
-            keys[query_rows] = request_keys.to(keys.dtype)
-        return keys, valid
+            first = max(0, start - (window - 1))  # the rows of positions first..end-1 its queries' windows span
+            keep_from = end - (window - 1) - ROLLBACK_TOKENS
+            out.append((tail.extend(first, start, stream[offset : offset + end - start], keep_from), first))
+        return out
 
     def compressed_entries(self, layer_id: int, compressor, table, kv: torch.Tensor,
                            gate: torch.Tensor) -> list[torch.Tensor]:

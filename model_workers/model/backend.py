@@ -67,9 +67,9 @@ class V4AttentionBackend(Protocol):
 
     request_rows: tuple[torch.Tensor, ...]
 
-    def window_keys(self, layer_id: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv [T, Dh] (normed, roped) of this batch's rows -> each query's window (p-W, p] of its request:
-        keys [T, W, Dh], valid [T, W] bool."""
+    def window_rows(self, layer_id: int, kv: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """kv [T, Dh] (normed, roped) of this batch's rows -> per request (rows [n, Dh], first): its K = V rows of
+        positions first..end-1, where first = start - (W - 1): every key its new queries' windows (p-W, p] hold."""
 
     def compressed_entries(self, layer_id: int, compressor, table, kv: torch.Tensor,
                            gate: torch.Tensor) -> list[torch.Tensor]:

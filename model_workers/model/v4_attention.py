@@ -5,7 +5,8 @@ the query position, and the grouped low-rank output projection.
 
 A query sees its sliding window of raw entries and, on CSA / HCA layers, compressed entries: all visible
 ones (HCA) or the lightning indexer's top-k (CSA). Which rows exist is the backend's business
-(`V4AttentionBackend`); `attend_with_sinks` takes them per query, padded, with a validity mask.
+(`V4AttentionBackend`); `attend_sources` runs one softmax over them, block by block of a request's queries:
+the window as one contiguous run of rows per block, HCA entries shared by the block, CSA picks per query.
 Parameter names follow the checkpoint (`self_attn.q_a_proj`, `self_attn.sinks`, `self_attn.compressor...`).
 """
 
@@ -21,16 +22,39 @@ from model_workers.model.v4_compress import CSACompressor, HCACompressor, visibl
 from model_workers.model.v4_config import CSA, HCA, SLIDING, V4Config
 
 
-def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q [T, H, Dh]; keys [T, K, Dh] each query's key rows (also its values); valid [T, K] bool;
-    sinks [H] (a logit per head in the softmax denominator, with no value) -> [T, H, Dh]."""
-    logits = torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale  # [T, H, K]
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)  # [T, H, 1]
-    combined = torch.cat([logits, sink], dim=-1)
-    probs = torch.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]  # [T, H, K]
-    return torch.einsum("thk,tkd->thd", probs, keys.float()).to(q.dtype)
+QUERY_BLOCK = 256  # queries of one request attended together (bounds the logits and gathered keys)
+
+
+def attend_sources(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [b, H, Dh] over one softmax of several key sources (keys are their own values) and a per-head sink logit
+    (sinks [H], no value) -> [b, H, Dh]. A source is (keys [m, Dh] shared by every query, valid [b, m]) or
+    (keys [b, k, Dh] per query, valid [b, k])."""
+    q32, parts = q.float(), []
+    for keys, valid in sources:
+        pattern = "bhd,md->bhm" if keys.dim() == 2 else "bhd,bkd->bhk"
+        logits = torch.einsum(pattern, q32, keys.float()) * scale  # [b, H, m]
+        parts.append(logits.masked_fill(~valid[:, None, :], float("-inf")))
+    parts.append(sinks.float()[None, :, None].expand(q.shape[0], -1, 1))  # [b, H, 1]
+    combined = torch.cat(parts, dim=-1)
+    probs = torch.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1)
+    out, offset = torch.zeros_like(q32), 0
+    for (keys, _), part in zip(sources, parts):
+        width = part.shape[-1]
+        pattern = "bhm,md->bhd" if keys.dim() == 2 else "bhk,bkd->bhd"
+        out = out + torch.einsum(pattern, probs[..., offset : offset + width], keys.float())
+        offset += width
+    return out.to(q.dtype)
+
+
+def window_source(rows: torch.Tensor, first: int, positions: torch.Tensor,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's K = V rows [n, Dh] of positions first.. and some of its queries (positions [b]) -> the key
+    rows those queries' windows (p-W, p] span [m, Dh] and valid [b, m]."""
+    low, high = max(int(positions.min()) - window + 1, first, 0), int(positions.max()) + 1
+    key_positions = torch.arange(low, high, device=rows.device)  # [m]
+    valid = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] > positions[:, None] - window)
+    return rows[low - first : high - first], valid
 
 
 class V4Attention(nn.Module):
@@ -39,6 +63,7 @@ class V4Attention(nn.Module):
         heads, head_dim, groups = config.num_attention_heads, config.head_dim, config.o_groups
         self.num_heads, self.head_dim, self.rope_dim = heads, head_dim, config.qk_rope_head_dim
         self.o_groups, self.eps, self.scale = groups, config.rms_norm_eps, head_dim**-0.5
+        self.window = config.sliding_window
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = nn.Linear(config.q_lora_rank, heads * head_dim, bias=False)
@@ -59,35 +84,42 @@ class V4Attention(nn.Module):
         """x [T, D] (normed collapsed streams), positions [T] global; `table` the layer's RoPE -> [T, D]."""
         cos, sin = table.for_positions(positions)
         q, q_residual = self.queries(x, cos, sin)
-        keys, valid = backend.window_keys(layer_id, self.key_values(x, cos, sin))  # [T, W, Dh], [T, W]
-        if self.compressor is not None:
-            extra_keys, extra_valid = self.compressed_keys(x, q_residual, positions, table, backend, layer_id)
-            keys, valid = torch.cat([keys, extra_keys], dim=1), torch.cat([valid, extra_valid], dim=1)
-        return self.output(self.attend(q, keys, valid), cos, sin)
+        windows = backend.window_rows(layer_id, self.key_values(x, cos, sin))  # per request: (rows, first)
+        compressed = self.compressed_rows(x, q_residual, positions, table, backend, layer_id)
+        out = torch.zeros_like(q)
+        for s, rows in enumerate(backend.request_rows):
+            for block in rows.split(QUERY_BLOCK) if rows.numel() else ():  # a CP rank may hold none of s
+                sources = [window_source(*windows[s], positions[block], self.window)]
+                if compressed is not None:
+                    sources += self.compressed_source(compressed, s, block, positions)
+                out[block] = attend_sources(q[block], [(k.to(q.dtype), v) for k, v in sources], self.sinks,
+                                            self.scale)
+        return self.output(out, cos, sin)
 
-    def compressed_keys(self, x, q_residual, positions, table: RotaryTable, backend, layer_id: int):
-        """The compressed entries each query attends -> keys [T, K, Dh], valid [T, K]: every visible entry (HCA)
-        or the indexer's top-k of them (CSA)."""
+    def compressed_rows(self, x, q_residual, positions, table: RotaryTable, backend, layer_id: int):
+        """CSA / HCA layers: per request the entries (CSA: also its indexer keys, and the indexer's queries of
+        every row), or None on sliding-only layers."""
         compressor = self.compressor
+        if compressor is None:
+            return None
         entries = backend.compressed_entries(layer_id, compressor, table, *compressor.project(x))  # [n_s, Dh]
         indexer = getattr(compressor, "indexer", None)
-        if indexer is not None:
-            index_keys = backend.compressed_entries(layer_id, indexer, table, *indexer.project(x))  # [n_s, d_I]
-            index_q, index_w = indexer.queries(x, q_residual, *table.for_positions(positions))
-        widths = [min(indexer.topk, e.shape[0]) if indexer is not None else e.shape[0] for e in entries]
-        keys = x.new_zeros((x.shape[0], max(widths, default=0), self.head_dim))
-        valid = torch.zeros(keys.shape[:2], dtype=torch.bool, device=x.device)
-        for s, rows in enumerate(backend.request_rows):
-            if rows.numel() == 0 or widths[s] == 0:
-                continue
-            if indexer is None:
-                keys[rows, : widths[s]] = entries[s].to(keys.dtype)
-                valid[rows, : widths[s]] = visible_entries(positions[rows], widths[s], compressor.rate)
-            else:
-                picked = indexer.select(index_q[rows], index_w[rows], index_keys[s], positions[rows])  # [t, k]
-                keys[rows, : widths[s]] = entries[s][picked.clamp_min(0)].to(keys.dtype)
-                valid[rows, : widths[s]] = picked >= 0
-        return keys, valid
+        if indexer is None:
+            return entries, None, None
+        index_keys = backend.compressed_entries(layer_id, indexer, table, *indexer.project(x))  # [n_s, d_I]
+        return entries, index_keys, indexer.queries(x, q_residual, *table.for_positions(positions))
+
+    def compressed_source(self, compressed, s: int, block: torch.Tensor, positions: torch.Tensor) -> list:
+        """The compressed keys of request s that the queries `block` attend: every visible entry (HCA, shared
+        by the block) or each query's indexer top-k (CSA)."""
+        entries, index_keys, index_queries = compressed
+        if entries[s].shape[0] == 0:
+            return []
+        if index_keys is None:
+            return [(entries[s], visible_entries(positions[block], entries[s].shape[0], self.compressor.rate))]
+        index_q, index_w = index_queries
+        picked = self.compressor.indexer.select(index_q[block], index_w[block], index_keys[s], positions[block])
+        return [(entries[s][picked.clamp_min(0)], picked >= 0)]  # [b, k, Dh], [b, k]
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] (normed) -> (q [T, H, Dh] roped, q_residual [T, Q]: the normed q-lora the indexer reads)."""
@@ -108,22 +140,10 @@ class V4Attention(nn.Module):
         low_rank = torch.einsum("tgi,gri->tgr", grouped, weight).reshape(num_rows, -1)  # [T, G·R_o]
         return self.o_b_proj(low_rank)
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        return attend_with_sinks(q, keys, valid, self.sinks, self.scale)
-
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """RoPE on the trailing `qk_rope_head_dim` channels ([nope | rope]); cos/sin [T, r/2]."""
         nope, rope = x[..., : -self.rope_dim], x[..., -self.rope_dim :]
         return torch.cat([nope, rotate_pairs(rope, cos, sin, inverse)], dim=-1)
 
 
-def sliding_window_keys(kv: torch.Tensor, positions: torch.Tensor, window: int,
-                        first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's K = V rows kv [n, Dh] of positions first, first+1, ... -> each query's window (p-W, p]:
-    keys [T, W, Dh] (slot j = position p-W+1+j) and valid [T, W]."""
-    offsets = torch.arange(window, device=kv.device) - (window - 1)  # [W]
-    key_positions = positions[:, None] + offsets[None, :]  # [T, W]
-    return kv[(key_positions - first).clamp_min(0)], key_positions >= 0
-
-
-__all__ = ["V4Attention", "attend_with_sinks", "sliding_window_keys"]
+__all__ = ["V4Attention", "attend_sources", "window_source"]

@@ -1,13 +1,18 @@
 """DeepSeek-V4 attention on a sliding-window layer equals `transformers`' `DeepseekV4Attention` (eager, no
-cache) on the same random weights: q path, shared K = V, sinks, de-rotation and the grouped output."""
+cache) on the same random weights: q path, shared K = V, sinks, de-rotation and the grouped output, with the
+queries attended block by block over a contiguous run of window rows."""
 
 import copy
 
+import pytest
 import torch
 
+from model_workers.backends.v4_backend import V4TorchBackend, local_v4_batch
+from model_workers.kv_cache import PageTable
 from model_workers.model.rope import RotaryTable
-from model_workers.model.v4_attention import V4Attention, sliding_window_keys
+from model_workers.model.v4_attention import V4Attention
 from model_workers.model.v4_config import parse_v4_config
+from model_workers.v4_cache import V4Cache
 from support.v4_models import randomized
 
 RAW = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
@@ -17,10 +22,12 @@ RAW = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermed
            compress_ratios=[0, 0], num_hash_layers=0, max_position_embeddings=256)
 
 
-def test_sliding_layer_attention_equals_transformers():
+@pytest.mark.parametrize("block", [256, 4])
+def test_sliding_layer_attention_equals_transformers(monkeypatch, block):
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
+    monkeypatch.setattr("model_workers.model.v4_attention.QUERY_BLOCK", block)
     ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**copy.deepcopy(RAW))
     theirs._attn_implementation = "eager"
     reference = randomized(DeepseekV4Attention(theirs, 0), 11)
@@ -34,11 +41,9 @@ def test_sliding_layer_attention_equals_transformers():
     q_idx, kv_idx = positions[:, None], positions[None, :]
     visible = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
     mask = torch.where(visible, 0.0, float("-inf"))[None, None]  # [1, 1, T, T]
+    cache = V4Cache(ours, num_pages=1, page_size=16)
+    backend = V4TorchBackend(cache).bind(local_v4_batch(cache, [PageTable([0])], [length], "cpu"))
     with torch.no_grad():
         expected, _ = reference(x, embeddings, positions[None], mask)
-        cos, sin = RotaryTable.of(ours.main_rope, ours.qk_rope_head_dim).for_positions(positions)
-        q, _ = attention.queries(x[0], cos, sin)
-        keys, valid = sliding_window_keys(attention.key_values(x[0], cos, sin), positions, window)
-        got = attention.output(attention.attend(q, keys, valid), cos, sin)
+        got = attention(x[0], positions, RotaryTable.of(ours.main_rope, ours.qk_rope_head_dim), backend, 0)
     torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=0)
-    assert bool((~valid).any()) and bool(valid[-1].all())

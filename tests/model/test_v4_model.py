@@ -140,3 +140,14 @@ def test_kv_bytes_per_token_measured_equal_the_formula(pair):
     assert growth == runner.cache.bytes_per_token() * (96 - 32)
     assert stored[1]["sliding_attention"]["state"] == stored[0]["sliding_attention"]["state"]  # a window tail
     assert sum(part["state"] for part in stored[1].values()) <= runner.cache.request_bytes()
+
+
+def test_small_query_blocks_give_the_same_logits(pair, monkeypatch):
+    """Queries are attended in blocks (window rows as one contiguous run per block, indexer picks per block):
+    blocks of 5 give transformers' logits too."""
+    reference, ours = pair
+    monkeypatch.setattr("model_workers.model.v4_attention.QUERY_BLOCK", 5)
+    ids = prompt(37, 37)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(run_chunks(ours, ids, [20, 17]), expected, atol=1e-4, rtol=0)
