@@ -12,7 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model_workers.model.config import ModelConfigError, RopeSpec, eos_ids, fp8_block_size, required_int, rope_spec_from
+from model_workers.model.config_fields import (
+    ModelConfigError,
+    RopeSpec,
+    eos_ids,
+    fp8_block_size,
+    required_int,
+    rope_spec_from,
+)
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
