@@ -68,7 +68,7 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
         modeled = entry["modeled_causal_work_imbalance"]
         assert modeled["zigzag"] < modeled["contiguous"] and modeled["interleave"] < modeled["contiguous"]
         for phases in entry["per_rank_phase_s"]:
-            assert set(phases) == {"indexer", "attention", "mlp", "communication", "other"}
+            assert set(phases) == {"indexer", "compressor", "attention", "mlp", "communication", "other"}
             assert phases["indexer"] > 0 and phases["mlp"] > 0 and phases["communication"] > 0
         assert entry["c1_phase_s"]["communication"] == 0
         assert all(rss > 100 * 2**20 for rss in entry["peak_rss_bytes_per_rank"])  # a real process's RSS
