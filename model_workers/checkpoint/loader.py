@@ -185,6 +185,8 @@ def _read(handle, name: str, entries: Entries, config, experts: range, report: L
     tensor = handle.get_slice(stored)[experts.start : experts.stop] if fused else handle.get_tensor(stored)
     report.bytes_read[name] = tensor.nbytes
     fp4 = tensor.dtype == torch.int8 and expert_of(name) is not None
+    if tensor.dtype in (torch.int8, torch.uint8) and not fp4:
+        raise CheckpointError(f"{stored}: {tensor.dtype} tensor; packed FP4 (int8) is only read for routed experts")
     if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and not fp4:
         return tensor
     scale_name = name.replace(".weight", ".weight_scale_inv") if name.endswith(".weight") else name + "_scale_inv"

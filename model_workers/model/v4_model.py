@@ -134,4 +134,4 @@ class DeepseekV4ForCausalLM(nn.Module):
         shape = hidden.shape[:-1]
         streams = hidden.reshape(-1, self.config.hc_mult, self.config.hidden_size)  # [R, N, D]
         logits = torch.nn.functional.linear(norm(hc_head(streams)), self.lm_head.weight).float()
-        return logits.view(*shape, -1)
+        return logits.view(*shape, logits.shape[-1])

@@ -107,15 +107,15 @@ def test_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, models)
     assert len({tuple(r["token_ids"]) for r in alone}) == len(requests)  # sampled, not one greedy path
 
 
-@pytest.mark.parametrize("k", [0, 3])
-def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, tmp_path_factory, k):
+@pytest.mark.parametrize(("k", "ep_size"), [(0, 1), (3, 1), (2, 2)])
+def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, tmp_path_factory, k, ep_size):
     """DeepSeek-V4 on a C = 2 group: prompt chunks with a cached prefix run split over both ranks (interleave
-    v2), then MTP speculation at the owner; greedy tokens equal transformers."""
+    v2), then MTP speculation at the owner (under EP = 2: in lockstep); greedy tokens equal transformers."""
     from support.v4_checkpoints import v4_checkpoint_with_mtp
 
     target, _, folder = v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_c2"))
     engine = cluster.engine(2, folder, "interleave", "v2", prefill_token_budget=CHUNK, num_speculative_steps=k,
-                            return_logits=False)
+                            return_logits=False, ep_size=ep_size)
     watch = ChunkWatch()
     engine.add_step_observer(watch)
     prompts = make_prompts([40, 23, 9], seed=19)

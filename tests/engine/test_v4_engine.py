@@ -31,3 +31,17 @@ def test_greedy_with_and_without_mtp_speculation_equals_transformers(v4_model, k
     requests = [EngineRequest(f"v{i}", tuple(p), 24, temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
     for prompt, result in zip(prompts, run_all(engine, requests)):
         assert result["token_ids"] == reference_greedy(target, prompt, 24)
+
+
+def test_preemption_with_recompute_and_speculation_keeps_greedy_tokens(v4_model):
+    """Too few pages for all requests: the newest is preempted, its state dropped with its pages, and its
+    prompt + output recomputed from position 0 later; tokens still equal transformers'."""
+    target, _, folder = v4_model
+    prompts = [torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 17, 9, 21)]
+    engine = local_engine(folder, EngineOptions(num_speculative_steps=2, num_pages=6, page_size=16,
+                                                prefill_token_budget=32))
+    requests = [EngineRequest(f"p{i}", tuple(p), 24, temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
+    for prompt, result in zip(prompts, run_all(engine, requests)):
+        assert result["token_ids"] == reference_greedy(target, prompt, 24)
+    assert engine.stats.preemptions > 0 and engine.free_pages == [6]
+    assert engine.workers[0].worker.runner.cache.states == {}  # every request's state released

@@ -76,6 +76,12 @@ def test_unloadable_checkpoints_fail_in_one_line(reference, tmp_path):
     with pytest.raises(CheckpointError, match=r"^layers\.0\.attn\.wq_a\.weight: FP8 tensor without its scale"):
         load_model(tmp_path, progress=False)
     tensors["layers.0.attn.wq_a.scale"] = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+    saved_norm = tensors["layers.0.attn_norm.weight"]
+    tensors["layers.0.attn_norm.weight"] = saved_norm.to(torch.int8)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"^layers\.0\.attn_norm\.weight: torch\.int8 tensor; packed FP4"):
+        load_model(tmp_path, progress=False)
+    tensors["layers.0.attn_norm.weight"] = saved_norm
     tensors["layers.0.attn.bogus.weight"] = torch.zeros(2)
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="unexpected tensor"):
