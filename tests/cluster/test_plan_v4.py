@@ -36,3 +36,30 @@ def test_kv_bytes_per_token_follow_the_compressed_entries(quantized):
     assert out["kv_bytes_per_token"] == 4 * (2 * (32 + 16) / 4 + 32 / 8)
     with pytest.raises(ValueError, match="not available for deepseek_v4 yet; allowed: bfloat16, float32"):
         plan(quantized, cp_size=1, ep_size=1, kv_cache_dtype="fp8_e4m3")
+
+
+def flash_config() -> dict:
+    """DeepSeek-V4-Flash's released config.json values (../shared/deepseek_v4.md section 1.1)."""
+    return dict(
+        model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+        num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+        sliding_window=128, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], index_n_heads=64, index_head_dim=128,
+        index_topk=512, hc_mult=4, hc_sinkhorn_iters=20, num_hash_layers=3, n_routed_experts=256,
+        num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2048, num_nextn_predict_layers=1,
+        max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                      "beta_slow": 1},
+        torch_dtype="bfloat16", expert_dtype="fp4",
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
+
+
+def test_v4_flash_plan_counts_its_284b_parameters_and_its_kv(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(flash_config()))
+    out = plan(tmp_path, cp_size=8, ep_size=8, device_memory_gib=141)
+    assert out["params"]["target_model"] == pytest.approx(284e9, rel=0.005)  # the published 284 B
+    assert out["kv"]["layer_types"] == {"compressed_sparse_attention": 21, "heavily_compressed_attention": 20,
+                                        "sliding_attention": 2}
+    assert out["kv_bytes_per_token"] == 2 * 3440  # deepseek_v4.md 3.1: 21 × 640 / 4 + 20 × 512 / 128 values
+    assert out["max_rank_weight_bytes"] < out["total_checkpoint_bytes"] / 5 and out["weights_fit"]
