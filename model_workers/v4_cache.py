@@ -1,16 +1,19 @@
-"""DeepSeek-V4's cache on one rank (../shared/deepseek_v4.md section 3): what each request keeps between forwards.
+"""DeepSeek-V4's cache on one rank (../shared/deepseek_v4.md section 3), in two parts.
 
-Per request and layer: the tail of raw K = V rows its sliding window still needs, and on CSA / HCA layers
-the compressed entries (and the CSA indexer's keys) plus the projected rows of windows not yet closed (CSA:
-also of the last closed window, whose Ca half the next entry pools). Everything is addressed by absolute
-position, never by "what came last", so a forward that starts at position n reads rows before n only:
-chunked prefill at any boundary, decode, and speculative rollback (the plan's `num_cached` moves back) are
-one code path, and rows or entries that rejected drafts wrote are simply overwritten. Each tail keeps
-`rollback_tokens` positions more than the next forward needs, which bounds how far a step may roll back.
+* Paged, in the request's pages (what grows with the context): per CSA / HCA layer the compressed entries
+  (and the CSA indexer's keys). Entry w of a layer with rate m lives in the page holding position w·m, at
+  index (w·m mod page_size) // m of that page's ceil(page_size / m) entry rows, so the scheduler's pages
+  account for it and page_size and m must divide one another.
+* Per request (bounded, like SGLang's SWA and compressor-state rings): per layer the tail of raw K = V rows
+  its sliding window still needs, and per compressor the projected rows of the windows not yet closed (CSA:
+  also of the last closed window, whose Ca half the next entry pools). It is filed under the request's first
+  page, which is the request's for as long as it lives on this rank.
 
-A request's state is filed under the first page of its page table: the scheduler's pages still budget every
-request's tokens (`check_room`), and the first page is the request's for as long as it lives on this rank.
-Preemption frees the pages and the next prefill starts at position 0, which reads nothing old.
+Everything is addressed by absolute position, never by "what came last", so a forward that starts at
+position n reads rows before n only: chunked prefill at any boundary, decode, and speculative rollback (the
+plan's `num_cached` moves back) are one code path, and rows or entries that rejected drafts wrote are
+overwritten. Each tail keeps ROLLBACK_TOKENS positions more than the next forward needs, which bounds how far
+a step may roll back. Preemption frees the pages and the next prefill starts at position 0, reading nothing old.
 """
 
 from __future__ import annotations
@@ -62,7 +65,6 @@ class RowsTail:
 @dataclass
 class CompressedState:
     rows: RowsTail = field(default_factory=RowsTail)  # projected kv ‖ gate [n, 2C] of recent positions
-    entries: torch.Tensor | None = None  # [num_entries, width] of windows 0.. (beyond the valid count: stale)
 
 
 class V4Cache:
@@ -73,6 +75,32 @@ class V4Cache:
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
         self.num_mtp_layers, self.dtype = num_mtp_layers, dtype
         self.states: dict[int, dict] = {}  # first page -> {(layer_id, name): RowsTail | CompressedState}
+        self.entries: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "compressor" | "indexer") -> rows
+        for layer_id, layer_type in enumerate(config.layer_types):
+            if layer_type in (CSA, HCA):
+                rate = config.compress_rates[layer_type]
+                if page_size % rate and rate % page_size:
+                    raise ValueError(f"page_size={page_size} and the {layer_type} rate {rate} must divide one "
+                                     f"another (the compressed entries are paged)")
+                rows = num_pages * max(1, page_size // rate)
+                self.entries[(layer_id, "compressor")] = torch.zeros(rows, config.head_dim, dtype=dtype)
+                if layer_type == CSA:
+                    self.entries[(layer_id, "indexer")] = torch.zeros(rows, config.index_head_dim, dtype=dtype)
+
+    def entry_slots(self, table: PageTable, rate: int, first: int, count: int) -> torch.Tensor:
+        """Rows of entries first..first+count-1 (of a layer with this rate) in the entry store, [count] int64."""
+        starts = (torch.arange(first, first + count) * rate)  # the window's first position
+        pages = torch.tensor(table.pages, dtype=torch.long)[starts // self.page_size]
+        return pages * max(1, self.page_size // rate) + (starts % self.page_size) // rate
+
+    def write_entries(self, table: PageTable, layer_id: int, name: str, first: int, rows: torch.Tensor) -> None:
+        store = self.entries[(layer_id, name)]
+        store[self.entry_slots(table, self.config.compress_rate(layer_id), first, rows.shape[0])] = rows.to(store.dtype)
+
+    def read_entries(self, table: PageTable, layer_id: int, name: str, count: int) -> torch.Tensor:
+        """Entries 0..count-1 of the request [count, width] (gathered from its pages)."""
+        store = self.entries[(layer_id, name)]
+        return store[self.entry_slots(table, self.config.compress_rate(layer_id), 0, count)]
 
     def check_room(self, table: PageTable, num_tokens: int) -> None:
         """The plan's contract, as for the paged cache: `table` budgets positions 0..num_tokens-1."""
@@ -107,8 +135,8 @@ class V4Cache:
                 continue
             rate = self.config.compress_rate(layer_id)
             for name, key in (("compressor", "entries"), ("indexer", "index_keys")):
-                kept = state.get((layer_id, name))
-                out[key].append(None if kept is None or not rate else kept.entries[: n // rate].cpu())
+                has = (layer_id, name) in self.entries
+                out[key].append(self.read_entries(table, layer_id, name, n // rate).cpu() if has else None)
         return out
 
     def stored_bytes(self, table: PageTable) -> dict[str, dict[str, int]]:
@@ -120,13 +148,15 @@ class V4Cache:
         for (layer_id, name), kept in state.items():
             kind = self.config.layer_types[layer_id] if layer_id < self.config.num_hidden_layers else "mtp"
             part = out.setdefault(kind, {"entries": 0, "state": 0})
-            if isinstance(kept, RowsTail):
-                part["state"] += _nbytes(kept.rows)
-            else:
-                rate = self.config.compress_rate(layer_id)
-                part["entries"] += _nbytes(kept.entries[: n // rate]) if kept.entries is not None else 0
-                part["state"] += _nbytes(kept.rows.rows)
+            part["state"] += _nbytes(kept.rows if isinstance(kept, RowsTail) else kept.rows.rows)
+            if (layer_id, name) in self.entries:
+                count = n // self.config.compress_rate(layer_id)
+                part["entries"] += _nbytes(self.read_entries(table, layer_id, name, count))
         return out
+
+    def allocated_bytes_per_token(self) -> float:
+        """Bytes of the paged entry stores per token slot (above `bytes_per_token` when page_size < a rate)."""
+        return sum(_nbytes(store) for store in self.entries.values()) / (self.num_pages * self.page_size)
 
     def bytes_per_token(self) -> float:
         """Amortised bytes one more token of context costs (the growing compressed entries); the bounded

@@ -19,7 +19,8 @@ from model_workers.v4_cache import ROLLBACK_TOKENS, CompressedState, RowsTail, V
 
 @dataclass(frozen=True)
 class V4Batch:
-    states: tuple[dict, ...]  # per request: its `V4Cache` state
+    tables: tuple[PageTable, ...]  # per request: its pages on this rank (the compressed entries live there)
+    states: tuple[dict, ...]  # per request: its `V4Cache` per-request state
     starts: tuple[int, ...]  # per request: position of its first new token (= positions already cached)
     lengths: tuple[int, ...]  # per request: new tokens, in stream order
     positions: torch.Tensor  # [T] global position of each of this process's query rows
@@ -35,8 +36,9 @@ class V4Batch:
 
 def v4_batch(cache: V4Cache, tables: list[PageTable], lengths: list[int], positions: torch.Tensor,
              request_rows: list[torch.Tensor]) -> V4Batch:
-    return V4Batch(tuple(cache.request(t) for t in tables), tuple(t.num_tokens for t in tables), tuple(lengths),
-                   positions, tuple(request_rows))
+    copies = tuple(PageTable(list(t.pages), t.num_tokens) for t in tables)  # the step moves num_tokens on
+    return V4Batch(copies, tuple(cache.request(t) for t in tables), tuple(t.num_tokens for t in tables),
+                   tuple(lengths), positions, tuple(request_rows))
 
 
 def local_v4_batch(cache: V4Cache, tables: list[PageTable], lengths: list[int], device) -> V4Batch:
@@ -92,13 +94,11 @@ class V4TorchBackend:
             first = max(0, done - lookback)  # window whose rows come first
             keep_from = (max(0, (end - ROLLBACK_TOKENS) // rate) - lookback) * rate
             rows = state.rows.extend(first * rate, start, stream[offset : offset + end - start], keep_from)
-            kept = state.entries[:done] if state.entries is not None else stream.new_zeros((0, compressor.width))
             if closed > done:
                 whole = rows[: (closed - first) * rate].to(kv.dtype)
                 fresh = compressor.entries(whole[:, :width], whole[:, width:], first, table)[done - first :]
-                kept = torch.cat([kept, fresh.to(self.cache.dtype)])
-            state.entries = kept
-            out.append(kept)
+                self.cache.write_entries(batch.tables[s], layer_id, compressor.state_name, done, fresh)
+            out.append(self.cache.read_entries(batch.tables[s], layer_id, compressor.state_name, closed))
         return out
 
     def routed_experts(self, layer_id: int, x, expert_ids, weights, experts) -> torch.Tensor:

@@ -16,7 +16,8 @@ import re
 import torch
 
 _LAYER = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.(.+)$")
-_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+        "norm.weight": "model.norm.weight",
         "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
         "hc_head_scale": "model.hc_head.hc_scale", "model.head.weight": "lm_head.weight"}
 # Inside a block, in order: (release / save_pretrained pattern, module name). Anchored at the block's start.
@@ -99,7 +100,8 @@ _TO_RELEASE = [  # our module names -> release names: the first pattern that mat
     (r"self_attn\.kv_norm\.", "attn.kv_norm."), (r"self_attn\.o_a_proj\.", "attn.wo_a."),
     (r"self_attn\.o_b_proj\.", "attn.wo_b."),
     (r"mlp\.gate\.e_score_correction_bias$", "ffn.gate.bias"), (r"mlp\.gate\.", "ffn.gate."),
-    (r"mlp\.experts\.(\d+)\.gate_proj\.", r"ffn.experts.\1.w1."), (r"mlp\.experts\.(\d+)\.down_proj\.", r"ffn.experts.\1.w2."),
+    (r"mlp\.experts\.(\d+)\.gate_proj\.", r"ffn.experts.\1.w1."),
+    (r"mlp\.experts\.(\d+)\.down_proj\.", r"ffn.experts.\1.w2."),
     (r"mlp\.experts\.(\d+)\.up_proj\.", r"ffn.experts.\1.w3."),
     (r"mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
     (r"mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
@@ -107,7 +109,8 @@ _TO_RELEASE = [  # our module names -> release names: the first pattern that mat
     (r"hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
     (r"mlp\.", "ffn."), (r"self_attn\.", "attn."),
 ]
-_RELEASE_COMPRESSOR = [(r"kv_proj\.", "wkv."), (r"gate_proj\.", "wgate."), (r"kv_norm\.", "norm."), (r"position_bias$", "ape")]
+_RELEASE_COMPRESSOR = [(r"kv_proj\.", "wkv."), (r"gate_proj\.", "wgate."), (r"kv_norm\.", "norm."),
+                       (r"position_bias$", "ape")]
 
 
 def release_name(name: str, num_layers: int) -> str:

@@ -101,7 +101,8 @@ class IndexerScorer(nn.Module):
 
 class LightningIndexer(CSACompressor):
     """The CSA layer's lightning indexer: a CSA compressor at index_head_dim (its keys) plus the query side.
-    Score I(p, w) = Σ_h w_h · ReLU(q_h · K_w) · d^-½, with w = weights_proj(x) · H^-½ and q from the normed q-lora."""
+    Score I(p, w) = Σ_h w_h · ReLU(q_h · K_w) · d^-½, with w = weights_proj(x) · H^-½ and q from the normed
+    q-lora."""
 
     state_name = "indexer"
 

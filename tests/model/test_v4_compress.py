@@ -39,7 +39,8 @@ def test_hca_entries_equal_transformers_and_do_not_depend_on_chunking():
         assert torch.equal(visible_entries(positions, 4, rate), bias[0, 0] == 0)
         pieces, open_kv, open_gate, windows = [], kv[:0], gate[:0], 0  # chunks of 7 rows: windows split
         for start in range(0, length, 7):
-            open_kv, open_gate = torch.cat([open_kv, kv[start:start + 7]]), torch.cat([open_gate, gate[start:start + 7]])
+            open_kv = torch.cat([open_kv, kv[start:start + 7]])
+            open_gate = torch.cat([open_gate, gate[start:start + 7]])
             closed = open_kv.shape[0] // rate * rate
             pieces.append(compressor.entries(open_kv[:closed], open_gate[:closed], windows, table))
             windows, open_kv, open_gate = windows + closed // rate, open_kv[closed:], open_gate[closed:]

@@ -35,7 +35,8 @@ def test_both_forms_fold_like_transformers(form):
     assert ours.compress_rates == {CSA: 4, HCA: 8} == dict(theirs.compress_rates)
     assert ours.qk_rope_head_dim == theirs.qk_rope_head_dim == 8
     compress = theirs.rope_parameters["compress"]
-    assert (ours.compress_rope.rope_type, ours.compress_rope.theta) == ("yarn", compress["rope_theta"]) == ("yarn", 160000.0)
+    compress_spec = (ours.compress_rope.rope_type, ours.compress_rope.theta)
+    assert compress_spec == ("yarn", compress["rope_theta"]) == ("yarn", 160000.0)
     assert ours.compress_rope.factor == compress["factor"] and ours.compress_rope.attention_factor == 1.0
     assert ours.compress_rope.original_max_position_embeddings == compress["original_max_position_embeddings"]
     assert (ours.main_rope.rope_type, ours.main_rope.theta) == ("default", theirs.rope_parameters["main"]["rope_theta"])

@@ -151,3 +151,29 @@ def test_small_query_blocks_give_the_same_logits(pair, monkeypatch):
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(run_chunks(ours, ids, [20, 17]), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [4, 16, 32])
+def test_compressed_entries_live_in_the_requests_pages(pair, page_size):
+    """Entries are paged (entry w in the page holding position w·m): scattered pages of any page size that the
+    rates (4, 8) divide or that divides them give the same logits, and the pages hold the entries."""
+    from model_workers.kv_cache import PageTable
+
+    _, ours = pair
+    ids = prompt(45, 45)
+    runner = ModelRunner(ours, num_pages=40, page_size=page_size)
+    pages = list(range(39, 39 - (45 + page_size - 1) // page_size, -1))  # descending, far from 0
+    table = PageTable(pages)
+    hidden = runner.extend([ExtendItem(table, ids[:20])])
+    hidden = torch.cat([hidden, runner.extend([ExtendItem(table, ids[20:])])])
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(hidden), run_chunks(ours, ids, [45]), atol=2e-5, rtol=0)
+    hca = runner.cache.entries[(2, "compressor")]  # layer 2 is HCA (rate 8)
+    written = torch.nonzero(hca.abs().sum(-1)).flatten()
+    assert written.numel() == 45 // 8 and bool((written >= min(pages) * max(1, page_size // 8)).all())
+
+
+def test_page_sizes_the_rates_do_not_divide_are_refused(pair):
+    _, ours = pair
+    with pytest.raises(ValueError, match="page_size=6 and the compressed_sparse_attention rate 4 must divide"):
+        ModelRunner(ours, num_pages=4, page_size=6)

@@ -110,8 +110,8 @@ def v4_checkpoint_with_mtp(folder: Path, seed: int = 11, quantized: bool = False
     twin = write_release_checkpoint(state, TINY_V4, folder, quantized, num_mtp=1)
     target.load_state_dict({k: v for k, v in twin.items() if k in target.state_dict()}, strict=False)
     prefix = f"model.layers.{TINY_V4['num_hidden_layers']}."
-    mtp.load_state_dict({("block." + k[len(prefix):] if not k[len(prefix):].startswith(_MTP_OWN) else k[len(prefix):]): v
-                         for k, v in twin.items() if k.startswith(prefix)}, strict=False)
+    own = {k[len(prefix):]: v for k, v in twin.items() if k.startswith(prefix)}
+    mtp.load_state_dict({(k if k.startswith(_MTP_OWN) else "block." + k): v for k, v in own.items()}, strict=False)
     return target, mtp, folder
 
 

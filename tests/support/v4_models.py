@@ -6,8 +6,8 @@ import torch
 
 
 def randomized(module, seed: int, num_experts: int | None = None):
-    """Normal(0, 1) floats in every weight (RoPE frequency buffers are left alone); integer buffers (tid2eid [vocab, k]) get a distinct random expert set per
-    token among `num_experts` (default: 8)."""
+    """Normal(0, 1) floats in every weight (RoPE frequency buffers are left alone); integer buffers
+    (tid2eid [vocab, k]) get a distinct random expert set per token among `num_experts` (default: 8)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
