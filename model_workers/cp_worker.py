@@ -140,8 +140,8 @@ class CPWorker:
         """Drops the state of requests this rank owned (unknown ids are ignored: non-owners hold nothing)."""
         for request_id in request_ids:
             held = self.held.pop(request_id, None)
-            if held is not None and held.pages and hasattr(self.runner.cache, "release"):
-                self.runner.cache.release(held.pages)  # DeepSeek-V4: the request's kept rows and entries
+            if held is not None:
+                self.runner.cache.release(held.pages)  # DeepSeek-V4: its per-request state
 
     def _plan_problem(self, plan: StepPlan) -> str | None:
         """What makes `plan` impossible on this rank (pages too few or outside the cache, a decode of a request
@@ -200,7 +200,7 @@ class CPWorker:
             if req.owner_rank == self.cp_rank and req.final_chunk:
                 self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
                                                         ctx.draft_topk.get(req.request_id), pages[:1])
-            elif req.final_chunk and hasattr(self.runner.cache, "release"):
+            elif req.final_chunk:
                 self.runner.cache.release(pages)  # DeepSeek-V4: a non-owner's copy of the request's state
         return outputs
 

@@ -27,6 +27,15 @@ class PageTable:
         return pages * page_size + positions % page_size
 
 
+def check_page_room(table: PageTable, num_tokens: int, page_size: int, num_pages: int) -> None:
+    """`table` has pages for positions 0..num_tokens-1, all of them among this cache's 0..num_pages-1."""
+    if len(table.pages) * page_size < num_tokens:
+        raise ValueError(f"page table of {len(table.pages)} pages x {page_size} holds fewer than the "
+                         f"{num_tokens} positions the step writes; the scheduler must grow it first")
+    if table.pages and not 0 <= min(table.pages) <= max(table.pages) < num_pages:
+        raise ValueError(f"page table {table.pages} names pages outside this cache's 0..{num_pages - 1}")
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -50,11 +59,10 @@ class PagedKVCache:
 
     def check_room(self, table: PageTable, num_tokens: int) -> None:
         """The plan's contract: `table` has pages (on this cache) for positions 0..num_tokens-1."""
-        if len(table.pages) * self.page_size < num_tokens:
-            raise ValueError(f"page table of {len(table.pages)} pages x {self.page_size} holds fewer than the "
-                             f"{num_tokens} positions the step writes; the scheduler must grow it first")
-        if table.pages and not 0 <= min(table.pages) <= max(table.pages) < self.num_pages:
-            raise ValueError(f"page table {table.pages} names pages outside this cache's 0..{self.num_pages - 1}")
+        check_page_room(table, num_tokens, self.page_size, self.num_pages)
+
+    def release(self, pages) -> None:
+        """Nothing to drop: a request's keys live in its pages only (the scheduler frees them)."""
 
     def rows(self, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
         """The cached keys of positions 0..num_tokens-1 per cache layer: latent [n, latent_dim] and index key

@@ -51,10 +51,11 @@ def build_forward_batch(items: list[ExtendItem], page_size: int, device) -> Forw
 
 
 def make_cache(model, num_pages: int, page_size: int, dtype: torch.dtype, device) -> PagedKVCache | V4Cache:
-    """The cache a model keeps per rank: pages of MLA latents (V3.2 / GLM-5), or V4's per-request state."""
+    """The cache a model keeps per rank: pages of MLA latents (V3.2 / GLM-5), or V4's paged compressed entries
+    and per-request window / compressor state."""
     config = model.config
     if isinstance(model, DeepseekV4ForCausalLM):
-        return V4Cache(config, num_pages, page_size, model.num_mtp_layers, dtype)
+        return V4Cache(config, num_pages, page_size, model.num_mtp_layers, dtype, device)
     indexed = [t == "full" for t in config.indexer_types] + [True] * model.num_mtp_layers
     return PagedKVCache(num_pages, page_size, config.latent_dim, config.index_head_dim, indexed, dtype, device)
 

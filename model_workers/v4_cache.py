@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_workers.kv_cache import PageTable
+from model_workers.kv_cache import PageTable, check_page_room
 from model_workers.model.v4_config import CSA, HCA, V4Config
 
 ROLLBACK_TOKENS = 16  # a step may restart this many positions before the end of what it wrote
@@ -69,7 +69,7 @@ class CompressedState:
 
 class V4Cache:
     def __init__(self, config: V4Config, num_pages: int, page_size: int, num_mtp_layers: int = 0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if num_pages <= 0:
             raise ValueError(f"num_pages={num_pages}: must be positive")
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
@@ -83,15 +83,17 @@ class V4Cache:
                     raise ValueError(f"page_size={page_size} and the {layer_type} rate {rate} must divide one "
                                      f"another (the compressed entries are paged)")
                 rows = num_pages * max(1, page_size // rate)
-                self.entries[(layer_id, "compressor")] = torch.zeros(rows, config.head_dim, dtype=dtype)
+                self.entries[(layer_id, "compressor")] = torch.zeros(rows, config.head_dim, dtype=dtype, device=device)
                 if layer_type == CSA:
-                    self.entries[(layer_id, "indexer")] = torch.zeros(rows, config.index_head_dim, dtype=dtype)
+                    self.entries[(layer_id, "indexer")] = torch.zeros(rows, config.index_head_dim, dtype=dtype,
+                                                                      device=device)
 
     def entry_slots(self, table: PageTable, rate: int, first: int, count: int) -> torch.Tensor:
         """Rows of entries first..first+count-1 (of a layer with this rate) in the entry store, [count] int64."""
         starts = (torch.arange(first, first + count) * rate)  # the window's first position
         pages = torch.tensor(table.pages, dtype=torch.long)[starts // self.page_size]
-        return pages * max(1, self.page_size // rate) + (starts % self.page_size) // rate
+        slots = pages * max(1, self.page_size // rate) + (starts % self.page_size) // rate
+        return slots.to(next(iter(self.entries.values())).device)
 
     def write_entries(self, table: PageTable, layer_id: int, name: str, first: int, rows: torch.Tensor) -> None:
         store = self.entries[(layer_id, name)]
@@ -103,12 +105,8 @@ class V4Cache:
         return store[self.entry_slots(table, self.config.compress_rate(layer_id), 0, count)]
 
     def check_room(self, table: PageTable, num_tokens: int) -> None:
-        """The plan's contract, as for the paged cache: `table` budgets positions 0..num_tokens-1."""
-        if len(table.pages) * self.page_size < num_tokens:
-            raise ValueError(f"page table of {len(table.pages)} pages x {self.page_size} holds fewer than the "
-                             f"{num_tokens} positions the step writes; the scheduler must grow it first")
-        if table.pages and not 0 <= min(table.pages) <= max(table.pages) < self.num_pages:
-            raise ValueError(f"page table {table.pages} names pages outside this cache's 0..{self.num_pages - 1}")
+        """The plan's contract, as for the paged cache: `table` has pages for positions 0..num_tokens-1."""
+        check_page_room(table, num_tokens, self.page_size, self.num_pages)
 
     def request(self, table: PageTable) -> dict:
         """The state of the request whose page table this is (created empty on its first forward)."""
@@ -149,23 +147,19 @@ class V4Cache:
             kind = self.config.layer_types[layer_id] if layer_id < self.config.num_hidden_layers else "mtp"
             part = out.setdefault(kind, {"entries": 0, "state": 0})
             part["state"] += _nbytes(kept.rows if isinstance(kept, RowsTail) else kept.rows.rows)
-            if (layer_id, name) in self.entries:
-                count = n // self.config.compress_rate(layer_id)
-                part["entries"] += _nbytes(self.read_entries(table, layer_id, name, count))
+            store = self.entries.get((layer_id, name))
+            if store is not None:  # the valid entries' rows
+                part["entries"] += n // self.config.compress_rate(layer_id) * store.shape[1] * store.element_size()
         return out
-
-    def allocated_bytes_per_token(self) -> float:
-        """Bytes of the paged entry stores per token slot (above `bytes_per_token` when page_size < a rate)."""
-        return sum(_nbytes(store) for store in self.entries.values()) / (self.num_pages * self.page_size)
 
     def bytes_per_token(self) -> float:
         """Amortised bytes one more token of context costs (the growing compressed entries); the bounded
         per-request part is `request_bytes`."""
-        return bytes_per_token(self.config, torch.tensor([], dtype=self.dtype).element_size())
+        return bytes_per_token(self.config, self.dtype.itemsize)
 
     def request_bytes(self) -> int:
         """Bytes of the bounded per-request state: window tails and open-window rows, at most."""
-        return request_bytes(self.config, self.num_mtp_layers, torch.tensor([], dtype=self.dtype).element_size())
+        return request_bytes(self.config, self.num_mtp_layers, self.dtype.itemsize)
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
