@@ -1,7 +1,8 @@
 """The served engine against the `transformers` reference and against itself across CP sizes, on a real C = 2
 group (local Ray + gloo): greedy tokens under CP v2 with chunked prefill (a prefix > 0) and speculation, for
-both strategies and both DSA families; logprob values against the reference's log-softmax at k = 0 / 2 and
-C = 1 / 2; seeded sampling at T > 0 with speculation, equal at C = 2 and C = 1."""
+both strategies and both DSA families, and for DeepSeek-V4 (interleave, MTP k = 0 / 3, and k = 2 under EP = 2);
+logprob values against the reference's log-softmax at k = 0 / 2 and C = 1 / 2; seeded sampling at T > 0 with
+speculation, equal at C = 2 and C = 1 (V3.2 and V4)."""
 
 import asyncio
 
@@ -23,8 +24,12 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def models(reference_checkpoint):
-    return {"v32": reference_checkpoint("v32", mtp=True), "glm": reference_checkpoint("glm_shared", mtp=True)}
+def models(reference_checkpoint, tmp_path_factory):
+    from support.v4_checkpoints import v4_checkpoint_with_mtp
+
+    target, _, v4_folder = v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_mtp"))
+    return {"v32": reference_checkpoint("v32", mtp=True), "glm": reference_checkpoint("glm_shared", mtp=True),
+            "v4": (target, v4_folder)}
 
 
 def reference_greedy(ref, ids: list[int], count: int) -> list[int]:
@@ -95,8 +100,9 @@ def test_logprob_values_equal_the_reference_log_softmax(cluster, models, cp_size
             assert [v for _, v in lp.top] == pytest.approx(top_values, abs=1e-4)
 
 
-def test_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, models):
-    _, folder = models["v32"]
+@pytest.mark.parametrize("model", ["v32", "v4"])
+def test_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, models, model):
+    _, folder = models[model]
     prompts = make_prompts([30, 12, 5, 19], seed=17)
     requests = [EngineRequest(f"t{i}", tuple(p), 16, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True)
                 for i, p in enumerate(prompts)]
@@ -108,12 +114,10 @@ def test_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, models)
 
 
 @pytest.mark.parametrize(("k", "ep_size"), [(0, 1), (3, 1), (2, 2)])
-def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, tmp_path_factory, k, ep_size):
+def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, models, k, ep_size):
     """DeepSeek-V4 on a C = 2 group: prompt chunks with a cached prefix run split over both ranks (interleave
     v2), then MTP speculation at the owner (under EP = 2: in lockstep); greedy tokens equal transformers."""
-    from support.v4_checkpoints import v4_checkpoint_with_mtp
-
-    target, _, folder = v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_c2"))
+    target, folder = models["v4"]
     engine = cluster.engine(2, folder, "interleave", "v2", prefill_token_budget=CHUNK, num_speculative_steps=k,
                             return_logits=False, ep_size=ep_size)
     watch = ChunkWatch()
@@ -127,16 +131,3 @@ def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, tmp
         assert result["token_ids"] == out[0, len(prompt):].tolist()
     assert 16 in watch.prefixes and 32 in watch.prefixes
 
-
-def test_v4_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, tmp_path_factory):
-    from support.v4_checkpoints import v4_checkpoint_with_mtp
-
-    _, _, folder = v4_checkpoint_with_mtp(tmp_path_factory.mktemp("v4_sampling"), seed=23)
-    prompts = make_prompts([30, 12, 5], seed=29)
-    requests = [EngineRequest(f"s{i}", tuple(p), 16, temperature=0.8, top_p=0.95, seed=200 + i, ignore_eos=True)
-                for i, p in enumerate(prompts)]
-    alone = run_all(local_engine(folder, EngineOptions(num_speculative_steps=2, num_pages=64, page_size=8)), requests)
-    grouped = run_all(cluster.engine(2, folder, "interleave", "legacy", num_speculative_steps=2, return_logits=False),
-                      requests)
-    assert [r["token_ids"] for r in grouped] == [r["token_ids"] for r in alone]
-    assert len({tuple(r["token_ids"]) for r in alone}) == len(requests)
