@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cp_router.pages import pages_for
+from model_workers.backends.cp_backend import CPBackend, V4CPBackend
 from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
 from model_workers.backends.v4_backend import V4TorchBackend, local_v4_batch
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, dp_forward_rows
@@ -62,8 +63,6 @@ def make_cache(model, num_pages: int, page_size: int, dtype: torch.dtype, device
 
 def make_backend(cache: PagedKVCache | V4Cache, exchange: ExpertExchange | None, cp: bool = False):
     """The attention backend over `cache`: one-rank, or (cp) gathering each batch's keys from the CP group."""
-    from model_workers.backends.cp_backend import CPBackend, V4CPBackend
-
     if isinstance(cache, V4Cache):
         return (V4CPBackend if cp else V4TorchBackend)(cache, exchange)
     return (CPBackend if cp else TorchBackend)(cache, exchange)
