@@ -15,6 +15,7 @@ from cp_router.metrics import ServeMetrics
 from cp_router.protocol import EngineRequest, ModelInfo
 from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
+from model_workers.kv_format import check_kv_cache_dtype
 from model_workers.model.config import load_model_config
 
 
@@ -29,9 +30,11 @@ class EngineOptions:
     use_gpu: bool | None = None
     threads_per_worker: int = 1
     return_logits: bool = False  # ranks ship full-vocabulary logits in every output (tests, debugging)
+    kv_cache_dtype: str = "auto"  # auto (keys in `dtype`), bfloat16, fp8_e4m3 (kv_format.py)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
+        check_kv_cache_dtype(self.kv_cache_dtype, model_type="")
         if self.max_steps_per_call < 1:
             raise ValueError(f"max_steps_per_call must be >= 1, got {self.max_steps_per_call}")
 
@@ -53,6 +56,12 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
     ))
 
 
+def check_options_for_model(model_dir, cp: ResolvedCPConfig, options: EngineOptions) -> None:
+    """The options against the scheduler's rules and the model (e.g. a KV format it cannot use), before launch."""
+    scheduler_for(cp, options)
+    check_kv_cache_dtype(options.kv_cache_dtype, load_model_config(model_dir).model_type)
+
+
 def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list,
                         metrics: ServeMetrics | None = None, text: CheckpointText | None = None) -> GenerationEngine:
     """A `GenerationEngine` over already launched rank workers (Ray actor handles, or one in-process worker).
@@ -68,17 +77,18 @@ def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions,
 def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOptions,
                  metrics: ServeMetrics | None = None) -> tuple[GenerationEngine, CPGroup]:
     """Launches the CP group (Ray must be running) and the engine over it; shut down the group when done."""
-    scheduler_for(cp, options)  # bad options fail before any actor starts
+    check_options_for_model(model_dir, cp, options)  # bad options fail before any actor starts
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
-                         threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu)
+                         threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu,
+                         kv_cache_dtype=options.kv_cache_dtype)
     return engine_over_workers(model_dir, cp, options, group.workers, metrics), group
 
 
 def start_local_engine(model_dir: str | Path, options: EngineOptions,
                        metrics: ServeMetrics | None = None) -> GenerationEngine:
     """A C = 1 engine in this process (no Ray): the CLI without --cp-size, tests, benchmarks."""
-    scheduler_for(LOCAL_CP, options)
-    worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size)
+    check_options_for_model(model_dir, LOCAL_CP, options)
+    worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size, options.kv_cache_dtype)
     return engine_over_workers(model_dir, LOCAL_CP, options, [worker], metrics)
 
 

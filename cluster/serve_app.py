@@ -29,7 +29,7 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import resolve_cp_settings
-from cluster.engine_setup import EngineOptions, engine_over_workers
+from cluster.engine_setup import EngineOptions, check_options_for_model, engine_over_workers
 from cluster.http_api.ingress import build_app
 from cluster.launch import start_workers
 from cluster.serve_client import ServeEngineClient
@@ -51,7 +51,8 @@ def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
 
 
 def engine_options(args: ServeAppArgs) -> EngineOptions:
-    return EngineOptions(args.dtype, num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda")
+    return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_speculative_steps=args.speculative_num_steps,
+                         use_gpu=args.device == "cuda")
 
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
@@ -66,8 +67,10 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
     if group is None:
         raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "
                            "(placement_group_bundles); build the app with cluster.serve_app:app")
+    check_options_for_model(model_dir, cp, options)
     workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
-                            options.page_size, options.threads_per_worker, bool(options.use_gpu), cp.ep_size)
+                            options.page_size, options.threads_per_worker, bool(options.use_gpu), cp.ep_size,
+                            options.kv_cache_dtype)
     metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
     return engine_over_workers(model_dir, cp, options, workers, metrics, text)
 

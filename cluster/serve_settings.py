@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName
+from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
 EnginePlacement = Literal["separate", "colocated"]
@@ -45,6 +45,7 @@ class ServeAppArgs(BaseModel):
     ep_size: int = Field(1, ge=1)  # 1, or cp_size: the routed experts partitioned across the CP group
     speculative_num_steps: int = Field(0, ge=0, le=MAX_SPECULATIVE_STEPS)
     dtype: DTypeName = "float32"
+    kv_cache_dtype: KVCacheDTypeName = "auto"  # auto: keys in `dtype`; fp8_e4m3: DESIGN.md §10's FP8 layout
     device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token

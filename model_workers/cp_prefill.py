@@ -73,7 +73,7 @@ def topk_positions_global(
 
     Positions, unlike slots, mean the same on every rank, so the owner can map them onto its own pages.
     """
-    slot_to_position = torch.full((ctx.backend.cache.latent[0].shape[0],), -1, dtype=torch.long, device=ctx.device)
+    slot_to_position = torch.full((ctx.backend.cache.num_slots,), -1, dtype=torch.long, device=ctx.device)
     for key_slots in batch.key_slots:
         slot_to_position[key_slots] = torch.arange(key_slots.numel(), device=ctx.device)
     positions_local = torch.where(topk_slots >= 0, slot_to_position[topk_slots.clamp_min(0)], -1)  # [T_logical, k]

@@ -63,9 +63,10 @@ class CPWorker:
         self.init_comm(master_addr, master_port)
 
     def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64,
-             ep_size: int = 1) -> dict:
+             ep_size: int = 1, kv_cache_dtype: str = "auto") -> dict:
         """(Re)loads a checkpoint and a fresh cache of `num_pages` pages; requests held so far are dropped.
-        ep_size = cp_size: this rank loads and runs only its block of every MoE layer's routed experts."""
+        ep_size = cp_size: this rank loads and runs only its block of every MoE layer's routed experts.
+        kv_cache_dtype: "auto" (keys in `dtype`), "bfloat16" or "fp8_e4m3" (kv_format.py)."""
         if ep_size not in (1, self.cp_size):
             raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {ep_size}")
         storage = storage_dtype(dtype)
@@ -74,7 +75,7 @@ class CPWorker:
             ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size)
         self.exchange = ExpertExchange(self.comm) if ep_size > 1 else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
-                                  kv_dtype=storage, exchange=self.exchange)
+                                  kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype)
         self.backend = make_backend(self.runner.cache, self.exchange, cp=True)
         self.held = {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),

@@ -20,6 +20,7 @@ from model_workers.backends.torch_backend import ForwardBatch, TorchBackend
 from model_workers.backends.v4_backend import V4TorchBackend, local_v4_batch
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, dp_forward_rows
 from model_workers.kv_cache import PagedKVCache, PageTable
+from model_workers.kv_format import check_kv_cache_dtype, key_formats, plain_kv_dtype
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.model.v4_model import DeepseekV4ForCausalLM
 from model_workers.v4_cache import V4Cache
@@ -51,14 +52,20 @@ def build_forward_batch(items: list[ExtendItem], page_size: int, device) -> Forw
     )
 
 
-def make_cache(model, num_pages: int, page_size: int, dtype: torch.dtype, device) -> PagedKVCache | V4Cache:
+def make_cache(model, num_pages: int, page_size: int, dtype: torch.dtype, device,
+               kv_cache_dtype: str = "auto") -> PagedKVCache | V4Cache:
     """The cache a model keeps per rank: pages of MLA latents (V3.2 / GLM-5), or V4's paged compressed entries
-    and per-request window / compressor state."""
+    and per-request window / compressor state. `dtype`: what `kv_cache_dtype="auto"` stores (the weights'
+    storage dtype); `kv_cache_dtype`: one of kv_format.KV_CACHE_DTYPES."""
     config = model.config
+    check_kv_cache_dtype(kv_cache_dtype, config.model_type)
     if isinstance(model, DeepseekV4ForCausalLM):
-        return V4Cache(config, num_pages, page_size, model.num_mtp_layers, dtype, device)
+        return V4Cache(config, num_pages, page_size, model.num_mtp_layers, plain_kv_dtype(kv_cache_dtype, dtype),
+                       device)
     indexed = [t == "full" for t in config.indexer_types] + [True] * model.num_mtp_layers
-    return PagedKVCache(num_pages, page_size, config.latent_dim, config.index_head_dim, indexed, dtype, device)
+    latent_format, index_format = key_formats(kv_cache_dtype, dtype, config.kv_lora_rank, config.qk_rope_head_dim,
+                                              config.index_head_dim)
+    return PagedKVCache(num_pages, page_size, latent_format, index_format, indexed, device)
 
 
 def make_backend(cache: PagedKVCache | V4Cache, exchange: ExpertExchange | None, cp: bool = False):
@@ -70,11 +77,13 @@ def make_backend(cache: PagedKVCache | V4Cache, exchange: ExpertExchange | None,
 
 class ModelRunner:
     def __init__(self, model: DSAForCausalLM | DeepseekV4ForCausalLM, num_pages: int, page_size: int = 64,
-                 device="cpu", kv_dtype: torch.dtype | None = None, exchange: ExpertExchange | None = None):
-        """kv_dtype: the cache's dtype (default: the model's); exchange: the expert-parallel group, if any."""
+                 device="cpu", kv_dtype: torch.dtype | None = None, exchange: ExpertExchange | None = None,
+                 kv_cache_dtype: str = "auto"):
+        """kv_dtype: the weights' storage dtype, which kv_cache_dtype="auto" keeps keys in (default: the model's);
+        kv_cache_dtype: "auto", "bfloat16" or "fp8_e4m3"; exchange: the expert-parallel group, if any."""
         self.model, self.device, self.page_size = model, torch.device(device), page_size
         dtype = kv_dtype or model.model.embed_tokens.weight.dtype
-        self.cache = make_cache(model, num_pages, page_size, dtype, self.device)
+        self.cache = make_cache(model, num_pages, page_size, dtype, self.device, kv_cache_dtype)
         self.exchange = exchange
         self.backend = make_backend(self.cache, exchange)
 

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import torch
 
-from cluster.commands.args import add_cp_arguments, add_dtype_argument, add_speculative_argument
+from cluster.commands.args import (
+    add_cp_arguments,
+    add_dtype_argument,
+    add_kv_cache_dtype_argument,
+    add_speculative_argument,
+)
 from cluster.config import check_speculative_steps, resolve_cp_settings
 from cp_router.cp.padding import ceil_div
 from cp_router.protocol import EngineRequest
@@ -43,6 +48,7 @@ def add_parser(commands) -> None:
     add_sampling_arguments(parser)
     parser.add_argument("--n-requests", type=int, default=1, help="requests run concurrently (one JSON line each)")
     add_dtype_argument(parser, default="float32")
+    add_kv_cache_dtype_argument(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_cp_arguments(parser)
@@ -116,7 +122,8 @@ def run_generate(args: argparse.Namespace, model_dir: Path) -> list[dict]:
     requests = cli_requests(args, read_prompts(args, model_dir, config.vocab_size))
     k = args.speculative_num_steps
     num_pages = sum(ceil_div(len(r.prompt_token_ids) + r.max_tokens + k + 1, PAGE_SIZE) for r in requests) + 1
-    options = EngineOptions(args.dtype, num_pages, PAGE_SIZE, k, use_gpu=str(args.device).startswith("cuda"))
+    options = EngineOptions(args.dtype, num_pages, PAGE_SIZE, k, use_gpu=str(args.device).startswith("cuda"),
+                            kv_cache_dtype=args.kv_cache_dtype)
     if cp is None:
         return run_all(start_local_engine(model_dir, options), requests)
     with ray_session(engine_cpus(cp.cp_size), args.ray_address):

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import get_args
+
+from cluster.config import KVCacheDTypeName
 
 
 def add_parser(commands) -> None:
@@ -15,8 +18,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--cp-size", type=int, required=True, help="ranks in the CP group (C)")
     parser.add_argument("--ep-size", type=int, required=True,
                         help="expert-parallel size: 1 (experts replicated) or the CP size (experts sharded)")
-    parser.add_argument("--kv-cache-dtype", default="bfloat16",
-                        help="KV cache element type: bfloat16 (default), float32, fp8_e4m3 (DESIGN §10 layout)")
+    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDTypeName), default="auto",
+                        help="KV cache format: auto (= bfloat16), bfloat16, fp8_e4m3 (DESIGN §10 layout); both"
+                             " bfloat16 and fp8_e4m3 are reported side by side")
     parser.add_argument("--device-memory-gib", type=float, default=None,
                         help="memory of one device in GiB (141 for an H200): adds kv_tokens_that_fit")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -60,8 +64,19 @@ def format_plan(result: dict) -> str:
     lines.append(f"KV ({inputs['kv_cache_dtype']}): {kv['cache_layers']} layers x {kv['latent_bytes_per_layer']} B latent"
                  f" + {kv['indexed_layers']} x {kv['index_bytes_per_layer']} B index key"
                  f" = {result['kv_bytes_per_token']:,} B per token per rank")
+    if "kv_by_dtype" in result:
+        lines.append(kv_comparison_line(result["kv_by_dtype"]))
     if "kv_tokens_that_fit" in result:
         verdict = (f"{result['kv_tokens_that_fit']:,} KV tokens fit per rank" if result["weights_fit"]
                    else "the weights alone do not fit")
         lines.append(f"device {inputs['device_memory_gib']:g} GiB: {verdict} (before activations and workspace)")
     return "\n".join(lines)
+
+
+def kv_comparison_line(by_dtype: dict) -> str:
+    """bfloat16 vs fp8_e4m3: bytes per token (and tokens that fit) per rank, and the FP8 capacity gain."""
+    parts = []
+    for name in ("bfloat16", "fp8_e4m3"):
+        fit = f", {by_dtype[name]['kv_tokens_that_fit']:,} tokens fit" if "kv_tokens_that_fit" in by_dtype[name] else ""
+        parts.append(f"{name} {by_dtype[name]['kv_bytes_per_token']:,} B/token{fit}")
+    return f"KV by dtype: {'; '.join(parts)}; FP8 holds {by_dtype['fp8_capacity_gain']:.2f}x the tokens"

@@ -37,7 +37,7 @@ def app_args(args: argparse.Namespace):
 
     fields = {"model": args.model, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
               "cp_impl": args.cp_impl, "ep_size": args.ep_size, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
-              "device": args.device, "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
+              "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
     return validate_args(fields)
 
 
@@ -53,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.config import resolve_cp_settings
+    from cluster.engine_setup import check_options_for_model
     from cluster.launch import engine_cpus, start_ray
-    from cluster.serve_app import APP_NAME, build_application
+    from cluster.serve_app import APP_NAME, build_application, engine_options
     from model_workers.checkpoint.model_dir import resolve_model_dir
 
     check_arguments(args)
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = app_args(args)
     model_dir = resolve_model_dir(settings.model)
-    resolve_cp_settings(settings, model_dir)  # CP flags checked against the model before Ray starts
+    cp = resolve_cp_settings(settings, model_dir)  # CP flags checked against the model before Ray starts
+    check_options_for_model(model_dir, cp, engine_options(settings))
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

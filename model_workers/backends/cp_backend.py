@@ -55,13 +55,14 @@ class CPBackend(TorchBackend):
         return self
 
     def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        dtype = self.cache.latent[layer_id].dtype
-        parts = [latent.to(dtype)] if index_key is None else [latent.to(dtype), index_key.to(dtype)]
-        keys_local = torch.cat(parts, dim=-1)  # [T_local, latent_dim (+ index_dim)]: one collective per layer
-        keys_global = gather_rows_global(self.comm, self.meta, keys_local, "kv")  # [N, latent_dim (+ index_dim)]
-        latent_dim = latent.shape[-1]
-        index_global = keys_global[:, latent_dim:] if index_key is not None else None  # [N, index_dim]
-        super().store_kv(layer_id, keys_global[:, :latent_dim], index_global)
+        """Encodes this rank's keys (FP8: quantized here, after RoPE at their global positions), gathers the
+        stored bytes of every rank in one collective per layer, and writes all N rows."""
+        latent_rows, index_rows = self.cache.encode(latent, index_key)  # [T_local, W_lat], [T_local, W_idx]
+        parts = [latent_rows] if index_rows is None else [latent_rows, index_rows]
+        rows_global = gather_rows_global(self.comm, self.meta, torch.cat(parts, dim=-1), "kv")  # [N, W_lat (+ W_idx)]
+        width = latent_rows.shape[-1]
+        index_global = rows_global[:, width:] if index_rows is not None else None  # [N, W_idx]
+        self.store_rows(layer_id, rows_global[:, :width], index_global)
 
     def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
         topk_slots = super().select_topk(layer_id, index_q, index_weights, topk)  # [T_local, k']

@@ -45,11 +45,12 @@ class TorchBackend:
         return self
 
     def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        slots = self.batch.write_slots
-        self.cache.latent[layer_id][slots] = latent.to(self.cache.latent[layer_id].dtype)
-        if index_key is not None:
-            store = self.cache.index_keys[layer_id]
-            store[slots] = index_key.to(store.dtype)
+        """Encodes the batch's keys here, where they were computed (RoPE applied: FP8 quantizes after it)."""
+        self.store_rows(layer_id, *self.cache.encode(latent, index_key))
+
+    def store_rows(self, layer_id: int, latent_rows: torch.Tensor, index_rows: torch.Tensor | None) -> None:
+        """Writes encoded rows [W, width] at the batch's write slots."""
+        self.cache.write(layer_id, self.batch.write_slots, latent_rows, index_rows)
 
     def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
         batch = self.batch
@@ -66,9 +67,8 @@ class TorchBackend:
         for rows, key_slots in zip(batch.request_rows, batch.key_slots):
             if rows.numel() == 0:
                 continue
-            key_positions = causal_topk(
-                index_q[rows], index_weights[rows], keys_store[key_slots], batch.positions[rows], topk
-            )  # [n, k_r]
+            key_positions = causal_topk(index_q[rows], index_weights[rows], keys_store[key_slots],
+                                        batch.positions[rows], topk, decode=self.cache.index_format.decode)  # [n, k_r]
             picked_slots = torch.where(key_positions >= 0, key_slots[key_positions.clamp_min(0)], -1)
             out[rows, : picked_slots.shape[1]] = picked_slots
 
@@ -79,8 +79,9 @@ class TorchBackend:
         key_slots = pad_rows(list(batch.key_slots), 0, device)  # [B, K] (pads lie past every position)
         positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
         safe_rows = row_ids.clamp_min(0)
-        keys = self.cache.index_keys[layer_id][key_slots]  # [B, K, D]
-        key_positions = batched_causal_topk(index_q[safe_rows], index_weights[safe_rows], keys, positions, topk)
+        keys = self.cache.index_keys[layer_id][key_slots]  # [B, K, W] stored rows
+        key_positions = batched_causal_topk(index_q[safe_rows], index_weights[safe_rows], keys, positions, topk,
+                                            decode=self.cache.index_format.decode)
         picked = torch.where(key_positions >= 0, key_slots.gather(1, key_positions.clamp_min(0).flatten(1))
                              .view_as(key_positions), -1)  # [B, n, k] slots
         real = row_ids >= 0
@@ -94,7 +95,9 @@ class TorchBackend:
     def attend(
         self, layer_id: int, q_latent: torch.Tensor, q_pe: torch.Tensor, topk_ids: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        return sparse_mla_attention(q_latent, q_pe, self.cache.latent[layer_id], topk_ids, scale)
+        cache = self.cache
+        return sparse_mla_attention(q_latent, q_pe, cache.latent[layer_id], topk_ids, scale,
+                                    decode=cache.latent_format.decode)
 
 
 def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:

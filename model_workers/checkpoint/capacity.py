@@ -25,13 +25,14 @@ from model_workers.checkpoint.weight_classes import (
     stored_tensor_bytes,
     weight_class,
 )
+from model_workers.kv_format import key_formats
 from model_workers.model.config import ModelConfig, load_model_config
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.model.v4_config import V4Config
 from model_workers.v4_cache import bytes_per_token, request_bytes
 
-KV_DTYPES = ("bfloat16", "float32", "fp8_e4m3")
-_FP8_GROUP = 128  # DESIGN §10: one float32 scale per 128 FP8 values
+KV_DTYPES = ("bfloat16", "float32", "fp8_e4m3")  # what a plan can count; `auto` (--kv-cache-dtype) is bfloat16
+COMPARED_KV_DTYPES = ("bfloat16", "fp8_e4m3")  # the plan reports both side by side
 
 
 @dataclass(frozen=True)
@@ -113,19 +114,23 @@ def rank_bytes(tensors: list[CheckpointTensor], num_experts: int, rank: int, ep_
             "replicated_bytes": total - routed, "routed_bytes": routed, "weight_bytes": total}
 
 
+def plan_kv_dtype(kv_dtype: str) -> str:
+    """The KV dtype a plan counts: `auto` is bfloat16 (the activation dtype of the checkpoints plans are for)."""
+    resolved = "bfloat16" if kv_dtype == "auto" else kv_dtype
+    if resolved not in KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_dtype!r}: allowed: auto, {', '.join(KV_DTYPES)}")
+    return resolved
+
+
 def kv_layer_bytes(config: ModelConfig, kv_dtype: str) -> tuple[int, int]:
-    """(latent bytes, indexer-key bytes) per token per cache layer; fp8_e4m3 is DESIGN §10's layout: c_kv in
-    FP8 + one fp32 scale per 128 values, k_pe in bf16; indexer key in FP8 + one fp32 scale per 128 values."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {kv_dtype!r}: allowed: {', '.join(KV_DTYPES)}")
-    if kv_dtype == "fp8_e4m3":
-        return _fp8_bytes(config.kv_lora_rank) + 2 * config.qk_rope_head_dim, _fp8_bytes(config.index_head_dim)
-    width = {"float32": 4, "bfloat16": 2}[kv_dtype]
-    return width * config.latent_dim, width * config.index_head_dim
-
-
-def _fp8_bytes(values: int) -> int:
-    return values + 4 * math.ceil(values / _FP8_GROUP)
+    """(latent bytes, indexer-key bytes) per token per cache layer, from the cache's own formats (kv_format.py):
+    fp8_e4m3 is DESIGN §10's layout (c_kv FP8 + one fp32 scale per 128 values, k_pe bf16; indexer key FP8 + one
+    fp32 scale per 128 values)."""
+    kv_dtype = plan_kv_dtype(kv_dtype)
+    weights = torch.float32 if kv_dtype == "float32" else torch.bfloat16
+    latent, index = key_formats("auto" if kv_dtype == "float32" else kv_dtype, weights, config.kv_lora_rank,
+                                config.qk_rope_head_dim, config.index_head_dim)
+    return latent.bytes_per_token, index.bytes_per_token
 
 
 def indexed_cache_layers(config: ModelConfig) -> list[bool]:
@@ -169,9 +174,10 @@ def checkpoint_summary(raw: dict, config: ModelConfig, ep_size: int, tensors: li
     }
 
 
-def plan(model_dir: str | Path, cp_size: int, ep_size: int, kv_cache_dtype: str = "bfloat16",
+def plan(model_dir: str | Path, cp_size: int, ep_size: int, kv_cache_dtype: str = "auto",
          device_memory_gib: float | None = None) -> dict:
     """The capacity plan as a JSON-able dict (bytes are exact integers; ranks 0..cp_size-1)."""
+    kv_cache_dtype = plan_kv_dtype(kv_cache_dtype)
     path = config_path(model_dir)
     config = load_model_config(model_dir)
     raw = json.loads(path.read_text())
@@ -190,6 +196,21 @@ def plan(model_dir: str | Path, cp_size: int, ep_size: int, kv_cache_dtype: str 
     if device_memory_gib is not None:
         fit, weights_fit = kv_tokens_that_fit(device_memory_gib, out["max_rank_weight_bytes"], kv_per_token)
         out.update(kv_tokens_that_fit=fit, weights_fit=weights_fit)
+    out["kv_by_dtype"] = kv_dtype_comparison(config, out["max_rank_weight_bytes"], device_memory_gib)
+    return out
+
+
+def kv_dtype_comparison(config: ModelConfig, weight_bytes: int, device_memory_gib: float | None) -> dict:
+    """bfloat16 and fp8_e4m3 side by side: KV bytes per token per rank, the KV tokens that fit (with a device
+    size) and the FP8 token-capacity gain (= the ratio of bytes per token)."""
+    out = {}
+    for kv_dtype in COMPARED_KV_DTYPES:
+        entry = {"kv_bytes_per_token": kv_bytes_per_token(config, kv_dtype)}
+        if device_memory_gib is not None:
+            entry["kv_tokens_that_fit"] = kv_tokens_that_fit(device_memory_gib, weight_bytes, entry["kv_bytes_per_token"])[0]
+        out[kv_dtype] = entry
+    bf16, fp8 = (out[d]["kv_bytes_per_token"] for d in COMPARED_KV_DTYPES)
+    out["fp8_capacity_gain"] = round(bf16 / fp8, 4)
     return out
 
 
@@ -219,7 +240,7 @@ def v4_plan(model_dir, raw: dict, config: V4Config, cp_size: int, ep_size: int, 
     bounded state (window tails, open compressor windows: `request_bytes`)."""
     if kv_cache_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is not available for deepseek_v4 yet; "
-                         f"allowed: bfloat16, float32")
+                         f"allowed: auto, bfloat16, float32")
     width = {"float32": 4, "bfloat16": 2}[kv_cache_dtype]
     tensors = checkpoint_tensor_list(raw, config)
     out = weights_plan(model_dir, raw, config, cp_size, ep_size, kv_cache_dtype, device_memory_gib, tensors)

@@ -2,11 +2,24 @@
 
 All functions work on one request's keys at a time and process queries in chunks sized so that no
 intermediate exceeds `budget_bytes`; nothing here ever materialises an L×L tensor for a long prompt.
+
+Keys arrive as the cache stores them (bf16 / fp32 rows, or FP8 bytes) with a `decode` that turns stored rows
+into values: the indexer decodes KEY_TILE keys at a time, attention only the top-k rows it gathered, so no
+decoded copy of a request's keys is ever made.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+Decode = Callable[[torch.Tensor, torch.dtype], torch.Tensor]  # stored rows [..., W], dtype -> values [..., D]
+
+
+def as_dtype(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The decode of plain rows: a cast."""
+    return stored.to(dtype)
 
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
 ATTENTION_BUDGET_BYTES = 4 * 1024 * 1024  # gathered keys per attention chunk: cache-sized (1.5x faster on CPU)
@@ -20,18 +33,19 @@ QUERY_TILE = 64  # indexer query rows per tile
 KEY_TILE = 1024  # indexer keys per tile: a [64, H, 1024] fp32 tile stays in cache (5-10x faster on CPU)
 
 
-def indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """score[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s]) in float32, computed KEY_TILE keys at a time.
+def indexer_scores(
+    index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor, decode: Decode = as_dtype
+) -> torch.Tensor:
+    """score[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s]) in float32, computed (and decoded) KEY_TILE keys at a time.
 
-    index_q [Tc, H, D]; index_weights [Tc, H] (all scales folded in); keys [K, D] -> [Tc, K].
+    index_q [Tc, H, D]; index_weights [Tc, H] (all scales folded in); keys [K, W] stored rows -> [Tc, K].
     """
     num_rows, num_heads, dim = index_q.shape
     q_flat = index_q.float().reshape(num_rows * num_heads, dim)  # [Tc*H, D]
     weights = index_weights.float()[:, None, :]  # [Tc, 1, H]
-    keys = keys.float()
     out = torch.empty(num_rows, keys.shape[0], dtype=torch.float32, device=keys.device)
     for start in range(0, keys.shape[0], KEY_TILE):
-        block = keys[start : start + KEY_TILE]  # [Kb, D]
+        block = decode(keys[start : start + KEY_TILE], torch.float32)  # [Kb, D]
         dots = torch.matmul(q_flat, block.t()).clamp_min_(0).view(num_rows, num_heads, -1)  # [Tc, H, Kb]
         out[:, start : start + block.shape[0]] = torch.bmm(weights, dots)[:, 0]  # [Tc, Kb]
     return out
@@ -44,10 +58,11 @@ def causal_topk(
     query_positions: torch.Tensor,
     topk: int,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    decode: Decode = as_dtype,
 ) -> torch.Tensor:
     """Top-k key positions per query among keys at positions 0..K-1 with position <= the query's.
 
-    index_q [T, H, D]; index_weights [T, H]; keys [K, D] (row s = key at position s);
+    index_q [T, H, D]; index_weights [T, H]; keys [K, W] stored rows (row s = key at position s);
     query_positions [T]. Returns [T, min(topk, K)] int64 key positions, -1 where a query has fewer
     causal keys. Queries with at most `topk` causal keys take all of them in position order.
     Each query chunk scores only the keys up to its last query's position (causal work only).
@@ -56,12 +71,11 @@ def causal_topk(
     width = min(topk, num_keys)
     out = torch.full((index_q.shape[0], width), -1, dtype=torch.long, device=keys.device)
     chunk = min(QUERY_TILE, rows_per_chunk(num_keys * 4, budget_bytes))  # scores [chunk, K] fp32 in budget
-    keys_float = keys.float()
     for start in range(0, index_q.shape[0], chunk):
         rows = slice(start, start + chunk)
         positions = query_positions[rows]
         visible = min(num_keys, int(positions.max()) + 1)  # keys past the chunk's last query never count
-        scores = indexer_scores(index_q[rows], index_weights[rows], keys_float[:visible])  # [Tc, K']
+        scores = indexer_scores(index_q[rows], index_weights[rows], keys[:visible], decode)  # [Tc, K']
         out[rows, : min(width, visible)] = pick_causal(scores, positions, width)
     return out
 
@@ -86,16 +100,22 @@ def batched_causal_topk(
     keys: torch.Tensor,
     query_positions: torch.Tensor,
     topk: int,
+    decode: Decode = as_dtype,
 ) -> torch.Tensor:
     """`causal_topk` for B requests with a few query rows each (decode, verification), in one pass.
 
-    index_q [B, n, H, D]; index_weights [B, n, H]; keys [B, K, D] (request b's key at position s in row
-    s, rows past its length are ignored because they lie past every query's position); query_positions
-    [B, n] (-1 marks a padding row). Returns [B, n, min(topk, K)] key positions, -1 = none.
+    index_q [B, n, H, D]; index_weights [B, n, H]; keys [B, K, W] stored rows (request b's key at position s
+    in row s, rows past its length are ignored because they lie past every query's position), decoded
+    KEY_TILE keys at a time; query_positions [B, n] (-1 marks a padding row). Returns [B, n, min(topk, K)]
+    key positions, -1 = none.
     """
     num_requests, num_rows = query_positions.shape
-    dots = torch.einsum("bnhd,bkd->bnhk", index_q.float(), keys.float())  # [B, n, H, K]
-    scores = torch.einsum("bnhk,bnh->bnk", dots.clamp_min_(0), index_weights.float())  # [B, n, K]
+    q, weights = index_q.float(), index_weights.float()
+    scores = torch.empty(num_requests, num_rows, keys.shape[1], dtype=torch.float32, device=keys.device)
+    for start in range(0, keys.shape[1], KEY_TILE):
+        block = decode(keys[:, start : start + KEY_TILE], torch.float32)  # [B, Kb, D]
+        dots = torch.einsum("bnhd,bkd->bnhk", q, block).clamp_min_(0)  # [B, n, H, Kb]
+        scores[..., start : start + block.shape[1]] = torch.einsum("bnhk,bnh->bnk", dots, weights)  # [B, n, Kb]
     flat_positions = query_positions.reshape(-1)  # [B*n]
     picked = pick_causal(scores.view(num_requests * num_rows, -1), flat_positions, topk)
     return picked.view(num_requests, num_rows, -1)
@@ -108,11 +128,13 @@ def sparse_mla_attention(
     key_ids: torch.Tensor,
     scale: float,
     budget_bytes: int = ATTENTION_BUDGET_BYTES,
+    decode: Decode = as_dtype,
 ) -> torch.Tensor:
     """Absorbed MLA over gathered keys.
 
-    q_latent [T, H, C]; q_pe [T, H, R]; key_latent [S, C + R] (the store rows are indexed by key_ids);
-    key_ids [T, k] into key_latent rows, -1 = masked. Returns [T, H, C] in q_latent's dtype.
+    q_latent [T, H, C]; q_pe [T, H, R]; key_latent [S, W] stored rows (indexed by key_ids; `decode` turns the
+    gathered ones into [.., C + R] values); key_ids [T, k] into key_latent rows, -1 = masked.
+    Returns [T, H, C] in q_latent's dtype.
     """
     num_rows, _, latent_dim = q_latent.shape
     out = torch.empty_like(q_latent)
@@ -121,7 +143,7 @@ def sparse_mla_attention(
     for start in range(0, num_rows, chunk):
         rows = slice(start, start + chunk)
         ids = key_ids[rows]  # [Tc, k]
-        gathered = key_latent[ids.clamp_min(0)].to(q_latent.dtype)  # [Tc, k, C + R] (cache may be narrower)
+        gathered = decode(key_latent[ids.clamp_min(0)], q_latent.dtype)  # [Tc, k, C + R]: top-k rows only
         c_kv, k_pe = gathered[..., :latent_dim], gathered[..., latent_dim:]
         scores = torch.einsum("thc,tkc->thk", q_latent[rows], c_kv) + torch.einsum("thr,tkr->thk", q_pe[rows], k_pe)
         scores = scores.float() * scale

@@ -22,6 +22,7 @@ from model_workers.checkpoint.capacity import (
 )
 from model_workers.checkpoint.weight_classes import stored_tensor_bytes
 from model_workers.kv_cache import PagedKVCache
+from model_workers.kv_format import PlainRows
 from model_workers.model.config import parse_model_config
 from support.tiny_models import BASE, SHAPES, reference_model, save_reference
 
@@ -102,13 +103,20 @@ def test_tensor_names_and_shapes_are_the_transformers_checkpoint(tmp_path, kind)
     (["--cp-size", "2", "--ep-size", "3"], "--ep-size 3: must be 1 (experts replicated) or --cp-size 2"),
     (["--cp-size", "3", "--ep-size", "3"], "--ep-size 3: n_routed_experts=8 does not split evenly over ep_size=3"),
     (["--cp-size", "0", "--ep-size", "1"], "--cp-size 0: must be >= 1"),
-    (["--cp-size", "2", "--ep-size", "2", "--kv-cache-dtype", "int8"],
-     "--kv-cache-dtype 'int8': allowed: bfloat16, float32, fp8_e4m3"),
     (["--cp-size", "2", "--ep-size", "2", "--device-memory-gib", "0"], "--device-memory-gib 0.0: must be > 0"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, capsys, argv, message):
     code, out, err = run_cli(capsys, "--model", str(config_dir(tmp_path, TINY)), *argv)
     assert code == 2 and out == "" and err.startswith(f"dsa-serve plan: error: {message}") and err.count("\n") == 1
+
+
+def test_unknown_kv_cache_dtype_is_refused_by_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(capsys, "--model", str(config_dir(tmp_path, TINY)), "--cp-size", "2", "--ep-size", "2",
+                "--kv-cache-dtype", "int8")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'int8' (choose from 'auto', 'bfloat16', 'fp8_e4m3')" in err
 
 
 def test_missing_folder_or_config_json(tmp_path, capsys):
@@ -148,7 +156,7 @@ def test_fp8_config_counts_fp8_bytes_and_scales(tmp_path):
 def test_kv_bytes_per_token_equal_the_paged_cache(kind, dtype):
     config = parse_model_config({**BASE, **SHAPES[kind], "num_nextn_predict_layers": 1})
     indexed = [t == "full" for t in config.indexer_types] + [True]
-    cache = PagedKVCache(1, 1, config.latent_dim, config.index_head_dim, indexed, dtype)
+    cache = PagedKVCache(1, 1, PlainRows(config.latent_dim, dtype), PlainRows(config.index_head_dim, dtype), indexed)
     assert kv_bytes_per_token(config, str(dtype).removeprefix("torch.")) == cache.bytes_per_token()
 
 

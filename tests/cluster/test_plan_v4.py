@@ -34,7 +34,7 @@ def test_kv_bytes_per_token_follow_the_compressed_entries(quantized):
     out = plan(quantized, cp_size=1, ep_size=1, kv_cache_dtype="float32")
     # TINY_V4: two CSA layers (head_dim 32 + index_head_dim 16 per 4 tokens), one HCA layer (32 per 8 tokens)
     assert out["kv_bytes_per_token"] == 4 * (2 * (32 + 16) / 4 + 32 / 8)
-    with pytest.raises(ValueError, match="not available for deepseek_v4 yet; allowed: bfloat16, float32"):
+    with pytest.raises(ValueError, match="not available for deepseek_v4 yet; allowed: auto, bfloat16, float32"):
         plan(quantized, cp_size=1, ep_size=1, kv_cache_dtype="fp8_e4m3")
 
 

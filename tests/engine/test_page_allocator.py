@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from cp_router.pages import OutOfPages, PageAllocator
 from model_workers.kv_cache import PagedKVCache, PageTable
+from model_workers.kv_format import PlainRows
 
 operations = st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 12)), max_size=60)
 
@@ -55,7 +56,7 @@ def test_request_pages_grow_trim_and_free_and_the_cache_checks_a_table_has_room(
     assert len(pages) == 3 and allocator.num_free == 5
     allocator.trim(pages, 5, page_size=4)  # positions 0..4 stay: 2 pages
     assert len(pages) == 2 and allocator.num_free == 6
-    cache = PagedKVCache(8, 4, latent_dim=6, index_dim=4, indexed_layers=[True, False], dtype=torch.float32)
+    cache = PagedKVCache(8, 4, PlainRows(6, torch.float32), PlainRows(4, torch.float32), indexed_layers=[True, False])
     cache.check_room(PageTable(pages, 0), 8)
     with pytest.raises(ValueError, match="holds fewer than the 9 positions"):
         cache.check_room(PageTable(pages, 0), 9)

@@ -44,13 +44,16 @@ class Expected:
 _EXPECTED: dict[tuple, Expected] = {}
 
 
-def single_process(folder: Path, prompts: list[list[int]], dtype: torch.dtype = torch.float32) -> Expected:
+def single_process(folder: Path, prompts: list[list[int]], dtype: torch.dtype = torch.float32,
+                   kv_cache_dtype: str = "auto") -> Expected:
     """The plain single-process path (ModelRunner.extend + extend_mtp), independent of the CP code, with
-    the workers' precision: bf16 weights computed in fp32 on a CPU without native bf16, bf16 KV cache."""
-    key = (str(folder), dtype, tuple(map(tuple, prompts)))
+    the workers' precision: bf16 weights computed in fp32 on a CPU without native bf16, the KV cache in
+    `kv_cache_dtype` (auto: as the weights are stored)."""
+    key = (str(folder), dtype, kv_cache_dtype, tuple(map(tuple, prompts)))
     if key not in _EXPECTED:
         model = load_model(folder, dtype=compute_dtype(dtype, "cpu"), progress=False)  # as a CPU worker does
-        runner = ModelRunner(model, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=dtype)
+        runner = ModelRunner(model, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=dtype,
+                             kv_cache_dtype=kv_cache_dtype)
         tables = runner.standalone_tables([len(p) for p in prompts])
         hidden = runner.extend([ExtendItem(t, p) for t, p in zip(tables, prompts)])  # [N, D]
         last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [R]
@@ -70,15 +73,16 @@ class Cluster:
         self.groups: dict[int, CPGroup] = {}
         self.loaded: dict[int, tuple[str, str]] = {}
 
-    def group(self, cp_size: int, folder: Path, dtype: str = "float32", ep_size: int = 1) -> CPGroup:
-        """The group of `cp_size` ranks with this checkpoint, dtype and expert parallelism loaded."""
-        wanted = (str(folder), dtype, ep_size)
+    def group(self, cp_size: int, folder: Path, dtype: str = "float32", ep_size: int = 1,
+              kv_cache_dtype: str = "auto") -> CPGroup:
+        """The group of `cp_size` ranks with this checkpoint, dtype, expert parallelism and KV format loaded."""
+        wanted = (str(folder), dtype, ep_size, kv_cache_dtype)
         if cp_size not in self.groups:
             cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy="zigzag", impl="legacy", ep_size=ep_size)
-            self.groups[cp_size] = launch_group(folder, cp, dtype, NUM_PAGES, PAGE_SIZE)
+            self.groups[cp_size] = launch_group(folder, cp, dtype, NUM_PAGES, PAGE_SIZE, kv_cache_dtype=kv_cache_dtype)
         elif self.loaded[cp_size] != wanted:
             workers = self.groups[cp_size].workers
-            ray.get([w.load.remote(str(folder), dtype, NUM_PAGES, PAGE_SIZE, ep_size) for w in workers])
+            ray.get([w.load.remote(str(folder), dtype, NUM_PAGES, PAGE_SIZE, ep_size, kv_cache_dtype) for w in workers])
         self.loaded[cp_size] = wanted
         return self.groups[cp_size]
 
@@ -88,8 +92,9 @@ class Cluster:
         cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy=strategy, impl=impl, ep_size=ep_size)
         settings = dict(dtype=dtype, num_pages=NUM_PAGES, page_size=PAGE_SIZE, return_logits=True,
                         prefill_token_budget=NUM_PAGES * PAGE_SIZE)
-        return engine_over_workers(folder, cp, EngineOptions(**{**settings, **options}),
-                                   self.group(cp_size, folder, dtype, ep_size).workers)
+        options = EngineOptions(**{**settings, **options})
+        return engine_over_workers(folder, cp, options,
+                                   self.group(cp_size, folder, dtype, ep_size, options.kv_cache_dtype).workers)
 
     def shutdown(self) -> None:
         for group in self.groups.values():
@@ -159,5 +164,7 @@ def assert_kv_equal(actual: dict, expected: dict, atol: float) -> None:
     for name in expected:  # latent, index_keys (MLA); window, entries, index_keys (DeepSeek-V4)
         for layer, (got, want) in enumerate(zip(actual[name], expected[name])):
             assert (got is None) == (want is None), f"{name}[{layer}]"
-            if got is not None:
+            if got is not None and got.dtype == torch.uint8:  # FP8 rows: the stored bytes, bit for bit
+                assert torch.equal(got, want), f"{name}[{layer}]: FP8 bytes differ in {int((got != want).sum())} places"
+            elif got is not None:
                 torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"{name}[{layer}]: {m}")

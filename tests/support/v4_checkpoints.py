@@ -14,6 +14,7 @@ import torch
 
 from model_workers.checkpoint.v4_names import FP4_GROUP, FP4_VALUES, FP8_RELEASE, release_name
 
+
 def quantize_fp8_ue8m0(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (e4m3 [out, in], ue8m0 power-of-two scales [ceil(out/b), ceil(in/b)])."""
     rows, cols = weight.shape
