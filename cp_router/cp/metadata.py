@@ -134,10 +134,21 @@ def _per_rank(
     )
 
 
-def _positions_v2(
-    strategy: CPStrategy, extend_lens: Sequence[int], prefix_lens: Sequence[int], physical: Sequence[int]
+def rope_positions(
+    strategy: CPStrategy, impl: str, extend_lens: Sequence[int], prefix_lens: Sequence[int],
+    local_to_global: Sequence[torch.Tensor], physical: Sequence[int],
 ) -> tuple[torch.Tensor, ...]:
-    """C x [T_physical]: the strategy's own `shard_position_ids`, tail-padded with position 0."""
+    """C x [T_physical]: the global position of every rank's rows (padding rows: 0), the one routine behind the
+    model's RoPE positions under CP: queries, latent keys and indexer keys, whatever the KV format (the bf16
+    cast and the FP8 quantize step both run after RoPE at these positions).
+
+    legacy: the global positions split by the data's own split-and-rebuild routine (`split_rows`).
+    v2: the strategy's own `shard_position_ids`, tail-padded. A path that used the other routine's layout would
+    rotate keys at the wrong positions (the seed's FP8 bug; tests/workers/test_cp_fp8.py swaps this function).
+    """
+    if impl == IMPL_LEGACY:
+        _, positions_global = _stream_labels(extend_lens, prefix_lens)
+        return _per_rank(positions_global, local_to_global, physical, 0)
     cp_size = len(physical)
     return tuple(
         pad_local_rows(strategy.shard_position_ids(extend_lens, prefix_lens, cp_size, cp_rank), physical[cp_rank])
@@ -166,10 +177,7 @@ def build_cp_metadata(
     key_offsets = stream_offsets([p + n for p, n in zip(prefix_lens, extend_lens)])
     key_start_global = torch.tensor(key_offsets[:-1])[request_index_global]  # [N]
     key_end_global = key_start_global + positions_global + 1  # [N]
-    if impl == IMPL_LEGACY:
-        positions_local = _per_rank(positions_global, local_to_global, physical, 0)
-    else:
-        positions_local = _positions_v2(cp_strategy, extend_lens, prefix_lens, physical)
+    positions_local = rope_positions(cp_strategy, impl, extend_lens, prefix_lens, local_to_global, physical)
     return CPMetadata(
         cp_size=cp_size,
         strategy=strategy,

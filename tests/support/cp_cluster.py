@@ -122,6 +122,7 @@ class PrefillRun:
     ranks: list = field(default_factory=list)  # StepResult of every rank that ran the (last) prefill step
     cp_size_used: int = 0
     per_rank_logical_token: tuple[int, ...] = ()
+    collective_rows: int = 0  # rows every rank passed to each gather of the (last) prefill step
     owners: dict[str, int] = field(default_factory=dict)
     kv: dict[str, dict] = field(default_factory=dict)  # request id -> its owner's cache rows after the prefill
     held: list[list[str]] = field(default_factory=list)  # per rank: requests it keeps state of after the step
@@ -135,6 +136,7 @@ class PrefillRun:
         self.ranks = sorted((r for r in results if r.cp_rank in shards), key=lambda r: r.cp_rank)
         self.cp_size_used = next(iter(shards.values())).meta.cp_size
         self.per_rank_logical_token = tuple(shards[r].meta.num_logical for r in sorted(shards))
+        self.collective_rows = next(iter(shards.values())).meta.collective_rows
         for s, (piece, owner) in enumerate(zip(step.prefill.pieces, step.prefill.owners)):
             self.owners[piece.request_id] = owner
             self.outputs[piece.request_id] = next(r.outputs[piece.request_id] for r in results if r.cp_rank == owner)
