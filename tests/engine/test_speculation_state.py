@@ -23,8 +23,9 @@ ACCEPTED_LENGTH_FLOOR = 2.35  # shipped model, k = 2, greedy, the 8 benchmark pr
 class FreshMTP:
     """The reference: target prefill of the accepted sequence, then the MTP layer over it, in a runner of its own."""
 
-    def __init__(self, folder):
-        self.runner = ModelRunner(load_model(folder, progress=False), num_pages=64, page_size=PAGE_SIZE)
+    def __init__(self, folder, kv_cache_dtype: str = "auto"):
+        self.runner = ModelRunner(load_model(folder, progress=False), num_pages=64, page_size=PAGE_SIZE,
+                                  kv_cache_dtype=kv_cache_dtype)
         self.layer = self.runner.model.config.num_hidden_layers
 
     def state(self, sequence: list[int], cached: int) -> dict[str, torch.Tensor]:
@@ -55,17 +56,34 @@ class DraftStateCheck:
             kv = await worker.export_kv.remote(list(item.pages), cached)
             want = self.fresh.state(sequence, cached)
             torch.testing.assert_close(draft["draft_hidden"], want["hidden"], atol=1e-4, rtol=0)
-            torch.testing.assert_close(kv["latent"][self.fresh.layer], want["latent"], atol=1e-4, rtol=0)
-            torch.testing.assert_close(kv["index_keys"][self.fresh.layer], want["index"], atol=1e-4, rtol=0)
+            cache = self.fresh.runner.cache
+            assert_rows_equal(kv["latent"][self.fresh.layer], want["latent"], cache.latent_format)
+            assert_rows_equal(kv["index_keys"][self.fresh.layer], want["index"], cache.index_format)
             self.checked += 1
 
 
-@pytest.mark.parametrize("model,k", [("default", 3), ("random_mtp", 2)])
-def test_draft_state_after_speculative_steps_equals_a_fresh_mtp_prefill(reference_checkpoint, model, k):
+def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, key_format) -> None:
+    """Float rows within 1e-4. FP8 rows: a verify / draft-extend forward computes its rows with other row counts
+    than a fresh prefill, so float32 noise (~1e-7 relative) may land a rare value on the other side of an FP8
+    rounding boundary: at most 0.1 % of the bytes may differ, each decoded value by at most one FP8 step (2^-3
+    relative to its block's scale). A stale row left by a rejected draft differs everywhere."""
+    if want.dtype != torch.uint8:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        return
+    assert int((got != want).sum()) <= max(1, want.numel() // 1000), f"{int((got != want).sum())} FP8 bytes differ"
+    got_values, want_values = key_format.decode(got, torch.float32), key_format.decode(want, torch.float32)
+    torch.testing.assert_close(got_values, want_values, rtol=0.13, atol=1e-3)
+
+
+@pytest.mark.parametrize("model,k,kv_cache_dtype", [("default", 3, "auto"), ("random_mtp", 2, "auto"),
+                                                    ("default", 2, "fp8_e4m3"), ("random_mtp", 3, "fp8_e4m3")])
+def test_draft_state_after_speculative_steps_equals_a_fresh_mtp_prefill(reference_checkpoint, model, k,
+                                                                        kv_cache_dtype):
+    """Rollback of rejected drafts leaves the MTP layer's pages as a fresh prefill writes them (FP8: same bytes)."""
     folder = resolve_model_dir(None) if model == "default" else reference_checkpoint("v32", mtp=True)[1]
     engine = local_engine(folder, EngineOptions(num_speculative_steps=k, num_pages=64, page_size=PAGE_SIZE,
-                                                max_steps_per_call=1))
-    check = DraftStateCheck(engine, FreshMTP(folder))
+                                                max_steps_per_call=1, kv_cache_dtype=kv_cache_dtype))
+    check = DraftStateCheck(engine, FreshMTP(folder, kv_cache_dtype))
     engine.add_step_observer(check)
     vocab = engine.info.vocab_size
     results = run_all(engine, make_requests([5, 19, 30], 16, vocab, prompt_seed=3, temperature=0.0, ignore_eos=True))
