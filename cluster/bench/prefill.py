@@ -19,18 +19,23 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import spelled_command
-from cluster.commands.args import add_cp_arguments, add_dtype_argument, int_list
+from cluster.commands.args import add_cp_arguments, add_dtype_argument, add_kv_cache_dtype_argument, int_list
 from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, max_over_mean
 from cp_router.cp.strategies import CP_STRATEGIES
 from model_workers.precision import storage_dtype
 
 KV_GATHER_FORMULA = "(C-1)/C * L * layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes"
 KV_TOKEN_FORMULA = "layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes (MTP layer included)"
+FP8_ROW_FORMULA = ("kv_lora_rank + 4*ceil(kv_lora_rank/128) + 2*qk_rope_head_dim + index_head_dim"
+                   " + 4*ceil(index_head_dim/128)")
+FP8_GATHER_FORMULA = f"(C-1)/C * L * layers * ({FP8_ROW_FORMULA}) (FP8 bytes and fp32 scales, as stored)"
+FP8_TOKEN_FORMULA = f"layers * ({FP8_ROW_FORMULA}) (DESIGN.md §10; MTP layer included)"
 V4_GATHER_FORMULA = ("(C-1)/C * L * (layers * head_dim + CSA layers * 4 * (head_dim + index_head_dim)"
                      " + HCA layers * 2 * head_dim) * dtype_bytes (MTP layers in `layers`)")
 V4_TOKEN_FORMULA = "(CSA layers * (head_dim + index_head_dim) / 4 + HCA layers * head_dim / 128) * dtype_bytes"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
-PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "repeats", "skip_equal_cores")
+PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "kv_cache_dtype",
+                 "repeats", "skip_equal_cores")
 PATHS = {"served": "the prompt in chunks of prefill_chunk_tokens, one engine step each (what serve runs)",
          "one_batch": "the whole prompt as one prefill batch (one engine step)"}
 
@@ -41,6 +46,7 @@ def add_parser(kinds) -> None:
     add_cp_arguments(prefill, required=True)
     prefill.add_argument("--prompt-len", default=DEFAULT_LENGTHS, help="tokens per prompt, or a comma list")
     add_dtype_argument(prefill, default="bfloat16")
+    add_kv_cache_dtype_argument(prefill)
     prefill.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     prefill.add_argument("--repeats", type=int, default=1, help="timed prefills per length (median kept)")
     prefill.add_argument("--skip-equal-cores", action="store_true", help="no C=1 run with C threads")
@@ -49,7 +55,7 @@ def add_parser(kinds) -> None:
     prefill.set_defaults(run=run_prefill)
 
 
-def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, dtype: str) -> float:
+def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, dtype: str, kv_cache_dtype: str = "auto") -> float:
     """KV bytes one rank receives in CP prefill (the per-layer gathers), by formula."""
     if hf_config.get("model_type") == "deepseek_v4":
         from model_workers.model.v4_config import parse_v4_config
@@ -59,20 +65,21 @@ def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, dtype: str)
         per_token = gather_bytes_per_token(config, int(hf_config.get("num_nextn_predict_layers") or 0),
                                            storage_dtype(dtype).itemsize)
     else:
-        per_token = kv_bytes_per_token_formula(hf_config, dtype)
+        per_token = kv_bytes_per_token_formula(hf_config, dtype, kv_cache_dtype)
     return (cp_size - 1) / cp_size * num_tokens * per_token
 
 
-def kv_bytes_per_token_formula(hf_config: dict, dtype: str) -> float:
+def kv_bytes_per_token_formula(hf_config: dict, dtype: str, kv_cache_dtype: str = "auto") -> float:
     """Cache bytes one more token of context costs on its owner, by formula."""
     if hf_config.get("model_type") == "deepseek_v4":
         from model_workers.model.v4_config import parse_v4_config
         from model_workers.v4_cache import bytes_per_token
 
         return bytes_per_token(parse_v4_config(hf_config), storage_dtype(dtype).itemsize)
-    layers = hf_config["num_hidden_layers"] + int(hf_config.get("num_nextn_predict_layers") or 0)
-    width = hf_config["kv_lora_rank"] + hf_config["qk_rope_head_dim"] + hf_config["index_head_dim"]
-    return layers * width * storage_dtype(dtype).itemsize
+    from model_workers.checkpoint.capacity import kv_bytes_per_token
+    from model_workers.model.config import parse_model_config
+
+    return kv_bytes_per_token(parse_model_config(hf_config), dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
 
 
 def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]], args) -> dict:
@@ -85,9 +92,10 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
     from cp_router.cp.padding import ceil_div
 
     options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64,
-                            threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"))
+                            threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"),
+                            kv_cache_dtype=args.kv_cache_dtype)
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
-                         threads_per_worker=threads, use_gpu=options.use_gpu)
+                         threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype)
     try:
         paths = served_and_one_batch(model_dir, cp, group.workers, options, prompts, args.repeats)
         kv_per_token = ray.get(group.workers[0].kv_bytes_per_token.remote())
@@ -137,7 +145,8 @@ def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | No
 
     entry = {"prompt_len": length, "cp_size": cp.cp_size, **path_entry(cp.cp_size, *runs("served"))}
     entry["modeled_causal_work_imbalance"] = modeled_imbalance(length, cp.cp_size, cp.impl)
-    entry["formula_kv_bytes_per_rank"] = formula_kv_bytes(hf_config, cp.cp_size, length, args.dtype)
+    entry["formula_kv_bytes_per_rank"] = formula_kv_bytes(hf_config, cp.cp_size, length, args.dtype,
+                                                          args.kv_cache_dtype)
     entry["one_batch"] = path_entry(cp.cp_size, *runs("one_batch"))
     return entry
 
@@ -165,23 +174,37 @@ def run_prefill(args: argparse.Namespace) -> int:
         ranks = run_config(model_dir, cp, 1, prompts, args)
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
-        "model": str(model_dir), "dtype": args.dtype, "device": args.device, "cpu_count": os.cpu_count(),
+        "model": str(model_dir), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
+        "cpu_count": os.cpu_count(),
         "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "ep_size": cp.ep_size,
         "repeats": args.repeats,
         "prefill_chunk_tokens": ranks["prefill_chunk_tokens"], "paths": PATHS,
-        **formula_texts(hf_config),
+        **formula_texts(hf_config, args.kv_cache_dtype),
         "measured_kv_bytes_per_token": ranks["kv_bytes_per_token"],
-        "formula_kv_bytes_per_token": kv_bytes_per_token_formula(hf_config, args.dtype),
+        "formula_kv_bytes_per_token": kv_bytes_per_token_formula(hf_config, args.dtype, args.kv_cache_dtype),
+        **kv_capacity(hf_config),
         "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks]) for n in lengths],
     }
     emit(result, args)
     return 0
 
 
-def formula_texts(hf_config: dict) -> dict[str, str]:
+def formula_texts(hf_config: dict, kv_cache_dtype: str = "auto") -> dict[str, str]:
     if hf_config.get("model_type") == "deepseek_v4":
         return {"kv_gather_formula": V4_GATHER_FORMULA, "kv_token_formula": V4_TOKEN_FORMULA}
+    if kv_cache_dtype == "fp8_e4m3":
+        return {"kv_gather_formula": FP8_GATHER_FORMULA, "kv_token_formula": FP8_TOKEN_FORMULA}
     return {"kv_gather_formula": KV_GATHER_FORMULA, "kv_token_formula": KV_TOKEN_FORMULA}
+
+
+def kv_capacity(hf_config: dict) -> dict:
+    """Both KV formats side by side (MLA models): bytes per token, tokens per GiB of cache, FP8's capacity gain."""
+    if hf_config.get("model_type") == "deepseek_v4":
+        return {}
+    from model_workers.checkpoint.capacity import kv_dtype_comparison
+    from model_workers.model.config import parse_model_config
+
+    return {"kv_by_dtype": kv_dtype_comparison(parse_model_config(hf_config))}
 
 
 def emit(result: dict, args: argparse.Namespace) -> None:

@@ -2,7 +2,8 @@
 
 prefill: CP scaling over prompt lengths; attention: sparse vs dense per layer; decode: MTP speculation;
 serve: HTTP load against the in-process engine and `transformers`; ep: expert parallelism against none on one
-group; ep-exchange: the MoE exchange's collective shapes at DeepSeek-V3.2 sizes; report: BENCHMARKS.md from results.
+group; ep-exchange: the MoE exchange's collective shapes at DeepSeek-V3.2 sizes; kv-cache: FP8 vs bf16 KV
+accuracy and bytes; report: BENCHMARKS.md from results.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from cluster.bench import (
     decode,
     ep_exchange,
     expert_parallel,
+    kv_cache,
     prefill,
     report,
     serve,
@@ -27,4 +29,5 @@ def add_parser(commands) -> None:
     serve.add_parser(kinds)
     expert_parallel.add_parser(kinds)
     ep_exchange.add_parser(kinds)
+    kv_cache.add_parser(kinds)
     report.add_parser(kinds)

@@ -200,12 +200,13 @@ def plan(model_dir: str | Path, cp_size: int, ep_size: int, kv_cache_dtype: str 
     return out
 
 
-def kv_dtype_comparison(config: ModelConfig, weight_bytes: int, device_memory_gib: float | None) -> dict:
-    """bfloat16 and fp8_e4m3 side by side: KV bytes per token per rank, the KV tokens that fit (with a device
-    size) and the FP8 token-capacity gain (= the ratio of bytes per token)."""
+def kv_dtype_comparison(config: ModelConfig, weight_bytes: int = 0, device_memory_gib: float | None = None) -> dict:
+    """bfloat16 and fp8_e4m3 side by side: KV bytes per token per rank, the tokens one GiB of cache holds, the KV
+    tokens that fit (with a device size) and the FP8 token-capacity gain (= the ratio of bytes per token)."""
     out = {}
     for kv_dtype in COMPARED_KV_DTYPES:
-        entry = {"kv_bytes_per_token": kv_bytes_per_token(config, kv_dtype)}
+        per_token = kv_bytes_per_token(config, kv_dtype)
+        entry = {"kv_bytes_per_token": per_token, "tokens_per_gib": 2**30 // per_token}
         if device_memory_gib is not None:
             entry["kv_tokens_that_fit"] = kv_tokens_that_fit(device_memory_gib, weight_bytes, entry["kv_bytes_per_token"])[0]
         out[kv_dtype] = entry

@@ -20,7 +20,7 @@ def commands(reference_checkpoint):
     generate = cli + ["generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)),
                       "--max-tokens", "10", "--cp-size", "2", "--cp-strategy", "interleave", "--json"]
     bench = cli + ["bench", "prefill", "--model", str(folder), "--cp-size", "2", "--prompt-len", "64,2100",
-                   "--dtype", "float32", "--repeats", "1", "--json"]
+                   "--dtype", "float32", "--kv-cache-dtype", "fp8_e4m3", "--repeats", "1", "--json"]
     running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in (generate, bench)]
     outputs = []
     for process in running:
@@ -40,8 +40,13 @@ def test_generate_with_cp_size_matches_transformers(commands):
 def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(commands):
     _, folder, _, bench = commands
     config = json.loads((folder / "config.json").read_text())
-    per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"] + config["index_head_dim"]) * 4
+    c_kv, rope, index = config["kv_lora_rank"], config["qk_rope_head_dim"], config["index_head_dim"]
+    per_token = (c_kv + 4 * -(-c_kv // 128) + 2 * rope) + (index + 4 * -(-index // 128))  # FP8 rows (DESIGN §10)
+    assert bench["kv_cache_dtype"] == "fp8_e4m3" and "ceil(kv_lora_rank/128)" in bench["kv_token_formula"]
     assert bench["formula_kv_bytes_per_token"] == 4 * per_token  # 3 target layers + 1 MTP layer
+    bf16, fp8 = bench["kv_by_dtype"]["bfloat16"], bench["kv_by_dtype"]["fp8_e4m3"]
+    assert fp8["kv_bytes_per_token"] == 4 * per_token and bf16["kv_bytes_per_token"] == 4 * 2 * (c_kv + rope + index)
+    assert bench["kv_by_dtype"]["fp8_capacity_gain"] == round(bf16["kv_bytes_per_token"] / fp8["kv_bytes_per_token"], 4)
     assert bench["measured_kv_bytes_per_token"] == bench["formula_kv_bytes_per_token"]
     assert [e["prompt_len"] for e in bench["lengths"]] == [64, 2100]
     assert bench["prefill_chunk_tokens"] == 2048 and set(bench["paths"]) == {"served", "one_batch"}
@@ -56,7 +61,7 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
         single, equal, ranks = entry["runs"]
         assert (single["cp_size_used"], equal["cp_size_used"], ranks["cp_size_used"]) == (1, 1, 2)
         assert (single["threads_per_rank"], equal["threads_per_rank"]) == (1, 2)
-        # the prompt split evenly: each rank receives exactly (C-1)/C of every layer's latent + indexer key
+        # the prompt split evenly: each rank receives exactly (C-1)/C of every layer's FP8 latent + indexer key
         assert entry["formula_kv_bytes_per_rank"] == 0.5 * entry["prompt_len"] * 4 * per_token
         assert ranks["kv_comm_bytes_per_rank"] == [entry["formula_kv_bytes_per_rank"]] * 2
         assert single["kv_comm_bytes_per_rank"] == [0]

@@ -173,6 +173,24 @@ def test_kv_tokens_that_fit_arithmetic(tmp_path):
     assert (small["kv_tokens_that_fit"], small["weights_fit"]) == (0, False)
 
 
+def test_plan_puts_bf16_and_fp8_side_by_side(tmp_path, capsys):
+    folder = config_dir(tmp_path, TINY)
+    result = plan(folder, 2, 2, "fp8_e4m3", 0.002)
+    free = math.floor(0.002 * 2**30) - result["max_rank_weight_bytes"]
+    fp8_per_token = 4 * ((32 + 4 + 2 * 16) + (32 + 4))  # 4 cache layers: c_kv FP8 + scale, k_pe bf16; index key
+    assert result["inputs"]["kv_cache_dtype"] == "fp8_e4m3" and result["kv_bytes_per_token"] == fp8_per_token
+    by_dtype = result["kv_by_dtype"]
+    assert by_dtype["bfloat16"]["kv_bytes_per_token"] == 4 * 2 * (32 + 16 + 32)
+    assert by_dtype["fp8_e4m3"] == {"kv_bytes_per_token": fp8_per_token, "tokens_per_gib": 2**30 // fp8_per_token,
+                                    "kv_tokens_that_fit": free // fp8_per_token}
+    assert by_dtype["fp8_capacity_gain"] == round(640 / fp8_per_token, 4)
+    assert plan(folder, 2, 2, "auto")["inputs"]["kv_cache_dtype"] == "bfloat16"  # auto: the checkpoints' bf16
+    code, out, _ = run_cli(capsys, "--model", str(folder), "--cp-size", "2", "--ep-size", "2",
+                           "--kv-cache-dtype", "fp8_e4m3", "--device-memory-gib", "0.002")
+    assert code == 0 and f"fp8_e4m3 {fp8_per_token} B/token, {free // fp8_per_token:,} tokens fit" in out
+    assert f"FP8 holds {640 / fp8_per_token:.2f}x the tokens" in out
+
+
 def released(config_cls) -> dict:
     raw = config_cls().to_dict()
     quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
