@@ -100,7 +100,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
                        "formula_kv_bytes_per_token": kv_bytes_per_token(model.config, name),
                        "tokens_per_gib": (2**30) // runs[name]["kv_bytes_per_token"]} for name in COMPARED}
     result = {
-        "command": spelled_command("kv-cache", args, KV_CACHE_FLAGS),
+        "bench": "kv-cache", "command": spelled_command("kv-cache", args, KV_CACHE_FLAGS),
         "model": model_dir.name, "dtype": args.dtype, "prompts": args.prompts, "prompt_len": args.prompt_len,
         "greedy_reference": "bfloat16 KV cache; FP8 teacher-forced on its tokens",
         **compare(reference, fp8),

@@ -16,7 +16,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from cluster.bench.plot import decode_series, prefill_points, save_plot
+from cluster.bench.plot import PLOTTERS, decode_series, prefill_points, save_plot
 from cluster.bench.targets import evaluate
 
 NO_COMMAND = "(the JSON records no command; re-run the bench with --json and a version that records it)"
@@ -167,7 +167,18 @@ def generic_table(result: dict) -> list[str]:
     return lines
 
 
-TABLES = {"attention": attention_table, "prefill": prefill_table, "decode": decode_table, "serve": serve_table}
+def kv_cache_table(result: dict) -> list[str]:
+    rows = [[name, e["measured_kv_bytes_per_token"], e["formula_kv_bytes_per_token"], e["tokens_per_gib"]]
+            for name, e in result["kv"].items()]
+    lines = markdown_table(["KV cache", "bytes / token (measured)", "formula", "tokens per GiB"], rows)
+    return lines + ["", f"FP8 against bf16 over {result['positions']} greedy positions of held-out prompts: top-1 "
+                        f"agreement {result['top1_agreement']:.2%}, mean |Δ logprob| {result['mean_abs_delta_logprob']}"
+                        f" (p99 {result['p99_abs_delta_logprob']}, max {result['max_abs_delta_logprob']}); FP8 holds "
+                        f"{result['fp8_capacity_gain']}x the tokens."]
+
+
+TABLES = {"attention": attention_table, "prefill": prefill_table, "decode": decode_table, "serve": serve_table,
+          "kv-cache": kv_cache_table}
 
 
 def machine_lines() -> list[str]:
@@ -214,6 +225,8 @@ def result_section(name: str, result: dict, plots_dir: Path, out_dir: Path) -> l
         lines += TABLES.get(result["bench"], generic_table)(result) + [""]
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a layout this report does not know
         lines += [f"(expected key missing: {exc!r}; all numbers:)", ""] + generic_table(result) + [""]
+    if result["bench"] not in PLOTTERS:
+        return lines
     plot = plots_dir / f"{name}.png"
     try:
         save_plot(result, str(plot))
