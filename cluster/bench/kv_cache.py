@@ -75,7 +75,8 @@ def compare(reference: dict, fp8: dict) -> dict:
     agree = (fp8["argmax"] == reference["tokens"]).float()
     delta = (fp8["logprobs"] - reference["logprobs"]).abs()
     return {"positions": int(agree.numel()), "top1_agreement": round(float(agree.mean()), 5),
-            "mean_abs_delta_logprob": round(float(delta.mean()), 6), "max_abs_delta_logprob": round(float(delta.max()), 5),
+            "mean_abs_delta_logprob": round(float(delta.mean()), 6),
+            "max_abs_delta_logprob": round(float(delta.max()), 5),
             "p99_abs_delta_logprob": round(float(delta.flatten().quantile(0.99)), 5)}
 
 

@@ -171,8 +171,9 @@ def kv_cache_table(result: dict) -> list[str]:
     rows = [[name, e["measured_kv_bytes_per_token"], e["formula_kv_bytes_per_token"], e["tokens_per_gib"]]
             for name, e in result["kv"].items()]
     lines = markdown_table(["KV cache", "bytes / token (measured)", "formula", "tokens per GiB"], rows)
+    agreement, delta = result["top1_agreement"], result["mean_abs_delta_logprob"]
     return lines + ["", f"FP8 against bf16 over {result['positions']} greedy positions of held-out prompts: top-1 "
-                        f"agreement {result['top1_agreement']:.2%}, mean |Δ logprob| {result['mean_abs_delta_logprob']}"
+                        f"agreement {agreement:.2%}, mean |Δ logprob| {delta}"
                         f" (p99 {result['p99_abs_delta_logprob']}, max {result['max_abs_delta_logprob']}); FP8 holds "
                         f"{result['fp8_capacity_gain']}x the tokens."]
 
