@@ -154,3 +154,12 @@ def test_colocated_placement_is_one_server_deployment_holding_the_cp_group():
     assert server._replica_config.placement_group_bundles == engine_bundles(args) == [{"CPU": 1}] * 4
     with pytest.raises(ValueError, match="engine_placement"):
         validate_args({"engine_placement": "mixed"})
+
+
+def test_kv_cache_dtype_from_the_serve_yaml_reaches_the_engine_options():
+    from cluster.serve_app import engine_options, validate_args
+
+    assert engine_options(validate_args({"kv_cache_dtype": "fp8_e4m3"})).kv_cache_dtype == "fp8_e4m3"
+    assert engine_options(validate_args({})).kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype: Input should be 'auto', 'bfloat16' or 'fp8_e4m3'"):
+        validate_args({"kv_cache_dtype": "int8"})
