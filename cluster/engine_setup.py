@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import ResolvedCPConfig, check_speculative_steps
+from cluster.engine_limits import EngineLimits, kv_room, resolve_limits
 from cluster.launch import CPGroup, launch_group
 from cluster.local_worker import InProcessWorker
 from cp_router.cp.strategies import cp_alignment
@@ -14,6 +15,7 @@ from cp_router.engine import GenerationEngine
 from cp_router.metrics import ServeMetrics
 from cp_router.protocol import EngineRequest, ModelInfo
 from cp_router.scheduler import Scheduler, SchedulerConfig
+from model_workers.checkpoint.capacity import cache_bytes_per_token
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 from model_workers.kv_format import check_kv_cache_dtype
 from model_workers.model.config import load_model_config
@@ -31,6 +33,9 @@ class EngineOptions:
     threads_per_worker: int = 1
     return_logits: bool = False  # ranks ship full-vocabulary logits in every output (tests, debugging)
     kv_cache_dtype: str = "auto"  # auto (keys in `dtype`), bfloat16, fp8_e4m3 (kv_format.py)
+    max_model_len: int | None = None  # None: the model's window capped by one rank's KV room (`kv_room`)
+    max_num_seqs: int = 256  # requests running at once
+    max_queued_requests: int = 4096  # waiting requests before new ones get EngineOverloadedError (503)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
@@ -53,7 +58,26 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
     return Scheduler(SchedulerConfig(
         cp.cp_size, options.num_pages, options.page_size, options.prefill_token_budget, strategy, cp.impl,
         options.num_speculative_steps, options.max_steps_per_call, options.return_logits, cp.expert_parallel,
+        options.max_num_seqs,
     ))
+
+
+def effective_max_model_len(model_window: int, options: EngineOptions) -> int:
+    """What the ingress admits (prompt + max_tokens): `options.max_model_len` (checked by `resolve_limits`), else
+    the model's window capped by what one request can hold in a rank's KV pages."""
+    room = kv_room(options.num_pages, options.page_size, options.num_speculative_steps)
+    return min(options.max_model_len or model_window, model_window, room)
+
+
+def limit_options(model_dir, limits: EngineLimits, dtype: str, kv_cache_dtype: str, num_speculative_steps: int) -> dict:
+    """The EngineOptions fields `limits` set, resolved against the model (its window, its KV bytes per token)."""
+    config = load_model_config(model_dir)
+    kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    resolved = resolve_limits(limits, config.max_position_embeddings, cache_bytes_per_token(config, kv_name),
+                              num_speculative_steps)
+    return dict(num_pages=resolved.num_pages, page_size=resolved.page_size, max_model_len=resolved.max_model_len,
+                prefill_token_budget=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
+                max_queued_requests=limits.max_queued_requests)
 
 
 def check_options_for_model(model_dir, cp: ResolvedCPConfig, options: EngineOptions) -> None:
@@ -69,9 +93,10 @@ def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions,
     `text`: the checkpoint's tokenizer and chat template if the caller loaded them (else they are read here)."""
     config = load_model_config(model_dir)
     text = text or load_checkpoint_text(model_dir)
-    info = ModelInfo(Path(model_dir).name, config.vocab_size, config.max_position_embeddings,
-                     text.chat_template is not None)
-    return GenerationEngine(workers, scheduler_for(cp, options), text.tokenizer, info, metrics)
+    info = ModelInfo(Path(model_dir).name, config.vocab_size,
+                     effective_max_model_len(config.max_position_embeddings, options), text.chat_template is not None)
+    return GenerationEngine(workers, scheduler_for(cp, options), text.tokenizer, info, metrics,
+                            max_waiting=options.max_queued_requests)
 
 
 def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOptions,

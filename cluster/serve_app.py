@@ -29,7 +29,8 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import resolve_cp_settings
-from cluster.engine_setup import EngineOptions, check_options_for_model, engine_over_workers
+from cluster.engine_limits import EngineLimits, limits_from
+from cluster.engine_setup import EngineOptions, check_options_for_model, engine_over_workers, limit_options
 from cluster.http_api.ingress import build_app
 from cluster.launch import start_workers
 from cluster.serve_client import ServeEngineClient
@@ -50,9 +51,12 @@ def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
     return [{"CPU": 1}] + [dict(rank) for _ in range(args.cp_size)]
 
 
-def engine_options(args: ServeAppArgs) -> EngineOptions:
+def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
+    """The engine's options: the args' capacity fields resolved against the model (pages, window)."""
+    limits = limit_options(model_dir, EngineLimits(**limits_from(args)), args.dtype, args.kv_cache_dtype,
+                           args.speculative_num_steps)
     return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_speculative_steps=args.speculative_num_steps,
-                         use_gpu=args.device == "cuda")
+                         use_gpu=args.device == "cuda", **limits)
 
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
@@ -62,7 +66,7 @@ QUIET = {"enable_access_log": False}
 def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointText) -> GenerationEngine:
     """The replica's CP group (rank actors in bundles 1..C of its placement group) and the engine over it."""
     model_dir = resolve_model_dir(args.model)
-    cp, options = resolve_cp_settings(args, model_dir), engine_options(args)
+    cp, options = resolve_cp_settings(args, model_dir), engine_options(args, model_dir)
     group = ray.util.get_current_placement_group()
     if group is None:
         raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
+from cluster.engine_limits import EngineLimits
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
 EnginePlacement = Literal["separate", "colocated"]
@@ -33,8 +34,9 @@ class IngressSettings(BaseModel):
         return configured or os.environ.get(API_KEY_ENV) or None
 
 
-class ServeAppArgs(BaseModel):
-    """What `serve run deploy/serve_config.yaml` passes to the app builder (CLI flags of `dsa-serve serve`)."""
+class ServeAppArgs(EngineLimits):
+    """What `serve run deploy/serve_config.yaml` passes to the app builder (CLI flags of `dsa-serve serve`);
+    the capacity fields (max_model_len, num_kv_pages, ...) are `EngineLimits`'."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -38,6 +38,7 @@ class SchedulerConfig:
     max_steps_per_call: int = 4  # decode steps per worker call when nothing else waits
     return_logits: bool = False  # ranks ship full-vocabulary logits back (tests, debugging)
     expert_parallel: bool = False  # ep_size = cp_size: every rank takes part in every forward (lockstep)
+    max_num_seqs: int = 256  # requests admitted at once (prefilling or decoding); the rest wait
 
 
 @dataclass

@@ -58,7 +58,12 @@ def plan_prefill_batch(scheduler) -> PrefillBatch | None:
     continuing = sorted((s for s in scheduler.requests.values() if s.status == PREFILLING), key=lambda s: s.arrival)
     candidates = continuing + [scheduler.requests[rid] for rid in scheduler.waiting]
     free, pieces, budget_left = scheduler.free_pages(), [], cfg.prefill_token_budget
+    admitted = scheduler.num_running()
     for seq in candidates:
+        if seq.request_id in scheduler.waiting:
+            if admitted >= cfg.max_num_seqs:
+                break
+            admitted += 1
         remaining = seq.remaining_prefill()
         chunk = chunk_len(remaining, budget_left, align)
         chunked = chunk < remaining or seq.num_cached > 0

@@ -160,7 +160,7 @@ def in_process_levels(model_dir: Path, cp, settings, prompts: list, plan: dict[i
     from cluster.serve_app import engine_options
     from cp_router.protocol import EngineRequest
 
-    engine, group = start_engine(model_dir, cp, engine_options(settings))
+    engine, group = start_engine(model_dir, cp, engine_options(settings, model_dir))
     ids = iter(range(1 << 62))
 
     def send(i: int):

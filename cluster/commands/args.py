@@ -8,6 +8,7 @@ from typing import get_args
 import torch
 
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
+from cluster.engine_limits import add_limit_arguments
 from cluster.serve_settings import EnginePlacement
 
 
@@ -60,6 +61,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     add_kv_cache_dtype_argument(parser)
     add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
     add_placement_argument(parser)
+    add_limit_arguments(parser)
 
 
 def int_list(text: str, flag: str, low: int, high: int) -> list[int]:

@@ -12,6 +12,7 @@ import signal
 import threading
 
 from cluster.commands.args import add_server_arguments
+from cluster.engine_limits import limits_from
 from cluster.serve_settings import API_KEY_ENV
 
 
@@ -37,7 +38,7 @@ def app_args(args: argparse.Namespace):
 
     fields = {"model": args.model, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
               "cp_impl": args.cp_impl, "ep_size": args.ep_size, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
-              "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
+              "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, **limits_from(args), "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
     return validate_args(fields)
 
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     settings = app_args(args)
     model_dir = resolve_model_dir(settings.model)
     cp = resolve_cp_settings(settings, model_dir)  # CP flags checked against the model before Ray starts
-    check_options_for_model(model_dir, cp, engine_options(settings))
+    check_options_for_model(model_dir, cp, engine_options(settings, model_dir))
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

@@ -144,6 +144,13 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
     return sum(latent + (index if has_index else 0) for has_index in indexed_cache_layers(config))
 
 
+def cache_bytes_per_token(config: ModelConfig | V4Config, kv_dtype: str) -> float:
+    """Bytes of KV pages one token of context costs on its owner, either family (V4: its compressed entries)."""
+    if isinstance(config, V4Config):
+        return bytes_per_token(config, {"float32": 4, "bfloat16": 2}[plan_kv_dtype(kv_dtype)])
+    return kv_bytes_per_token(config, kv_dtype)
+
+
 def kv_tokens_that_fit(device_memory_gib: float, weight_bytes: int, kv_per_token: int) -> tuple[int, bool]:
     """(floor((G·2^30 − weights) / KV bytes per token), weights fit?); (0, False) when they do not."""
     if not device_memory_gib > 0:

@@ -158,8 +158,10 @@ def test_colocated_placement_is_one_server_deployment_holding_the_cp_group():
 
 def test_kv_cache_dtype_from_the_serve_yaml_reaches_the_engine_options():
     from cluster.serve_app import engine_options, validate_args
+    from model_workers.checkpoint.model_dir import resolve_model_dir
 
-    assert engine_options(validate_args({"kv_cache_dtype": "fp8_e4m3"})).kv_cache_dtype == "fp8_e4m3"
-    assert engine_options(validate_args({})).kv_cache_dtype == "auto"
+    model_dir = resolve_model_dir(None)
+    assert engine_options(validate_args({"kv_cache_dtype": "fp8_e4m3"}), model_dir).kv_cache_dtype == "fp8_e4m3"
+    assert engine_options(validate_args({}), model_dir).kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="kv_cache_dtype: Input should be 'auto', 'bfloat16' or 'fp8_e4m3'"):
         validate_args({"kv_cache_dtype": "int8"})

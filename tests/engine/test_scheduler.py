@@ -147,3 +147,18 @@ def test_without_expert_parallelism_idle_ranks_get_no_plan():
     s.add("short", [5, 6], SamplingParams(max_tokens=3))
     step = s.schedule()
     assert len(step.plans) == 1 and not next(iter(step.plans.values())).group_prefill_rows
+
+
+def test_max_num_seqs_caps_the_running_requests_and_the_rest_wait_in_order():
+    s = Scheduler(SchedulerConfig(2, 64, 4, 64, "zigzag", "legacy", 0, 4, max_num_seqs=2))
+    for i in range(5):
+        s.add(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=3))
+    admitted = []
+    while s.has_work():
+        step = run_step(s)
+        assert s.num_running() <= 2
+        if step.prefill is not None:
+            admitted += [p.request_id for p in step.prefill.pieces]
+        for rid in [r for r, seq in s.requests.items() if len(seq.output_ids) >= 3]:
+            s.finish(rid)
+    assert admitted == ["r0", "r1", "r2", "r3", "r4"]
