@@ -6,7 +6,8 @@ Each step fails with its own 400 (or 413) naming what is wrong, so no malformed 
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+import logging
+from typing import Any, TypeVar, get_args
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from cluster.http_api.errors import APIError, bad_request, validation_error
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 
 def _is_json_media_type(content_type: str) -> bool:
@@ -73,12 +75,42 @@ def decode_json(raw: bytes) -> Any:
 
 
 def validate_body(payload: Any, model: type[ModelT]) -> ModelT:
+    """The body as `model`; fields it does not know are dropped and named in one warning (vLLM's leniency)."""
     if not isinstance(payload, dict):
         raise bad_request(f"request body must be a JSON object (got {type(payload).__name__})")
     try:
-        return model.model_validate(payload)
+        body = model.model_validate(payload)
     except ValidationError as exc:
         raise validation_error(exc.errors(), model.model_fields) from None
+    ignored = unknown_fields(payload, model)
+    if ignored:
+        logger.warning("ignored unknown request fields: %s", ", ".join(ignored))
+    return body
+
+
+def unknown_fields(payload: Any, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of the keys of `payload` (and of its nested objects) that `model` has no field for."""
+    if not isinstance(payload, dict):
+        return []
+    names = []
+    for key, value in payload.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            names.append(prefix + key)
+            continue
+        for nested in _models_in(field.annotation):
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                where = f"{prefix}{key}[{i}]." if isinstance(value, list) else f"{prefix}{key}."
+                names += unknown_fields(item, nested, where)
+    return names
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (`X | None`, `list[X]`, `str | list[X]`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
 
 
 async def read_json_body(request: Request, model: type[ModelT], max_bytes: int) -> ModelT:

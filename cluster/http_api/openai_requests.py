@@ -2,9 +2,10 @@
 
 Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 1], n in 1..16, logprobs
 0..5, at most 4 stop strings. Extensions (vLLM-style): top_k (0 or -1 = off), min_tokens, ignore_eos,
-stop_token_ids. An explicit JSON null means "the default". OpenAI fields this server does not implement are
-accepted only at their no-op value (e.g. presence_penalty 0) and rejected otherwise; unknown fields are
-rejected. Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`.
+stop_token_ids. An explicit JSON null means "the default". Fields this server knows but does not implement
+yet are accepted only at their no-op value (e.g. presence_penalty 0, repetition_penalty 1) and rejected
+otherwise; unknown fields are ignored, as vLLM does, and named in one log line per request (body.py).
+Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _only(no_op: Any) -> Callable[[Any], Any]:
 
 ZeroOnly = Annotated[Any, AfterValidator(_only(0))]
 OneOnly = Annotated[Any, AfterValidator(_only(1))]
+FalseOnly = Annotated[Any, AfterValidator(_only(False))]
 EmptyDictOnly = Annotated[Any, AfterValidator(_only({}))]
 EmptyListOnly = Annotated[Any, AfterValidator(_only([]))]
 EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]
@@ -80,7 +82,7 @@ PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeVal
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
 
@@ -88,7 +90,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -105,6 +107,9 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     frequency_penalty: ZeroOnly = None
     presence_penalty: ZeroOnly = None
+    repetition_penalty: OneOnly = None  # vLLM's; `vllm bench serve` sends 1.0 on every request
+    min_p: ZeroOnly = None
+    include_stop_str_in_output: FalseOnly = None
     logit_bias: EmptyDictOnly = None
 
     @model_validator(mode="before")
@@ -169,14 +174,14 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]

@@ -151,3 +151,25 @@ def test_the_openai_client_works_against_the_app(checkpoint):
         await http.aclose()
 
     asyncio.run(scenario())
+
+
+def test_vllm_bench_serve_body_is_served_and_unknown_fields_are_named_in_one_log_line(served, caplog):
+    """The exact body `vllm bench serve` sends (openai-completions backend), plus fields this server does not know:
+    ignored as vLLM ignores them, named once per request, nested ones with their path."""
+    engine, client = served
+    body = {"model": "tiny-dsa", "prompt": "hello world", "temperature": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": 3, "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    with caplog.at_level("WARNING", logger="cluster.http_api.body"):
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200 and not caplog.records
+        odd = {**body, "stream": False, "stream_options": None, "frequency": 1, "priority": 0, "min_p": 0.0}
+        assert client.post("/v1/completions", json=odd).status_code == 200
+    (record,) = caplog.records
+    assert record.getMessage() == "ignored unknown request fields: frequency, priority"
+    assert sse_payloads(response.text)[-1]["usage"]["completion_tokens"] == 3
+    chat = {"messages": [{"role": "user", "content": "hi", "weight": 1}], "max_tokens": 2, "parallel_tool_calls": True}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cluster.http_api.body"):
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert caplog.records[0].getMessage() == "ignored unknown request fields: messages[0].weight, parallel_tool_calls"
