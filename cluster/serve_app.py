@@ -34,7 +34,7 @@ from cluster.engine_setup import EngineOptions, check_options_for_model, engine_
 from cluster.http_api.ingress import build_app
 from cluster.launch import start_workers
 from cluster.serve_client import ServeEngineClient
-from cluster.serve_settings import ServeAppArgs
+from cluster.serve_settings import IngressSettings, ServeAppArgs
 from cp_router.engine import GenerationEngine
 from cp_router.metrics import ServeMetrics
 from cp_router.protocol import EngineChunk, EngineRequest, ModelInfo
@@ -87,7 +87,8 @@ class DSAEngine:
     """One CP group and the `GenerationEngine` driving it."""
 
     def __init__(self, args: ServeAppArgs):
-        self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, load_checkpoint_text(resolve_model_dir(args.model)))
+        text = load_checkpoint_text(resolve_model_dir(args.model), args.chat_template)
+        self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, text)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         async for chunk in self.engine.generate(request):
@@ -101,6 +102,17 @@ class DSAEngine:
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+
+def ingress_settings(args: ServeAppArgs, model_dir: Path) -> IngressSettings:
+    """The ingress's settings: the tokenizer and chat template come from the served checkpoint (and the args'
+    chat_template file) unless the ingress names its own."""
+    settings = args.ingress
+    if settings.model_dir is None:
+        settings = settings.model_copy(update={"model_dir": str(model_dir)})
+    if settings.chat_template is None and args.chat_template is not None:
+        settings = settings.model_copy(update={"chat_template": args.chat_template})
+    return settings
 
 
 def configure_access_log() -> None:
@@ -119,9 +131,7 @@ class DSAIngress:
     """The FastAPI app of cluster/ingress.py over a `ServeEngineClient`."""
 
     def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
-        self.engine, self.settings = engine, args.ingress
-        if self.settings.model_dir is None:  # the tokenizer and chat template come from the served checkpoint
-            self.settings = self.settings.model_copy(update={"model_dir": str(resolve_model_dir(args.model))})
+        self.engine, self.settings = engine, ingress_settings(args, resolve_model_dir(args.model))
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
@@ -135,12 +145,11 @@ class DSAServer:
 
     def __init__(self, args: ServeAppArgs):
         model_dir = resolve_model_dir(args.model)
-        text = load_checkpoint_text(model_dir)  # read once for the engine and (same folder) the HTTP app
+        text = load_checkpoint_text(model_dir, args.chat_template)  # read once for the engine and the HTTP app
         self.engine = start_replica_engine(args, SERVER_DEPLOYMENT, text)
-        self.settings = args.ingress
-        if self.settings.model_dir is None:
-            self.settings = self.settings.model_copy(update={"model_dir": str(model_dir)})
-        self.text = text if Path(self.settings.model_dir).resolve() == model_dir.resolve() else None
+        self.settings = ingress_settings(args, model_dir)
+        same = Path(self.settings.model_dir).resolve() == model_dir.resolve()
+        self.text = text if same and self.settings.chat_template == args.chat_template else None
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):

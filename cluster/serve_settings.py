@@ -22,6 +22,7 @@ class IngressSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_dir: str | None = None  # tokenizer.json / tokenizer_config.json; None: token-id prompts only
+    chat_template: str | None = None  # a Jinja file replacing the checkpoint's template (ServeAppArgs fills it)
     api_key: SecretStr | None = None  # None: read DSA_SERVE_API_KEY; neither set: no authentication
     max_ongoing_requests: int = Field(256, ge=1)  # HTTP generation requests in flight; beyond: 429
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies: 413
@@ -41,6 +42,7 @@ class ServeAppArgs(EngineLimits):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str | None = None  # checkpoint folder; None: the embedded default model
+    chat_template: str | None = None  # a Jinja chat template file; None: chat_template.jinja / tokenizer_config.json
     cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
     cp_strategy: CPStrategyName = "zigzag"
     cp_impl: CPImplName = "auto"

@@ -36,7 +36,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def app_args(args: argparse.Namespace):
     from cluster.serve_app import validate_args
 
-    fields = {"model": args.model, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
+    fields = {"model": args.model, "chat_template": args.chat_template, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
               "cp_impl": args.cp_impl, "ep_size": args.ep_size, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
               "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, **limits_from(args), "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
     return validate_args(fields)
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.launch import engine_cpus, start_ray
     from cluster.serve_app import APP_NAME, build_application, engine_options
     from model_workers.checkpoint.model_dir import resolve_model_dir
+    from model_workers.checkpoint.tokenizer import read_chat_template
 
     check_arguments(args)
     # Ctrl-C must stop the server even when this process inherited SIGINT as ignored (a parent that
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(settings.model)
     cp = resolve_cp_settings(settings, model_dir)  # CP flags checked against the model before Ray starts
     check_options_for_model(model_dir, cp, engine_options(settings, model_dir))
+    read_chat_template(model_dir, settings.chat_template)  # a bad --chat-template fails here, before Ray starts
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

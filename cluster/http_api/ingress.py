@@ -103,7 +103,8 @@ def _open_ingress(engine_client: EngineClient, settings: IngressSettings, text: 
         raise TypeError(f"engine_client: {type(engine_client).__name__} lacks EngineClient methods (generate, abort, "
                         "model_info, metrics_text, check_health)")
     info = engine_client.model_info()
-    encoder = PromptEncoder.from_model_dir(settings.model_dir) if text is None else PromptEncoder.from_text(text)
+    encoder = PromptEncoder.from_model_dir(settings.model_dir, settings.chat_template) if text is None \
+        else PromptEncoder.from_text(text)
     if info.has_chat_template and encoder.chat_template is None:
         raise ValueError(f"model_dir: the engine's checkpoint has a chat template but {settings.model_dir!r} has no "
                          "tokenizer_config.json chat_template; point IngressSettings.model_dir at the checkpoint")

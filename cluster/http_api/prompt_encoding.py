@@ -34,8 +34,8 @@ class PromptEncoder:
         return cls(text.tokenizer, template)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path | None) -> PromptEncoder:
-        return cls.from_text(load_checkpoint_text(model_dir))
+    def from_model_dir(cls, model_dir: str | Path | None, chat_template_file: str | None = None) -> PromptEncoder:
+        return cls.from_text(load_checkpoint_text(model_dir, chat_template_file))
 
     def _encode_text(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:

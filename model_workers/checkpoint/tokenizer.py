@@ -15,11 +15,12 @@ from typing import Any
 from tokenizers import Tokenizer
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside the tokenizer, as recent transformers save it (GLM-5 ships one)
 
 
 @dataclass(frozen=True)
 class ChatTemplateSource:
-    """tokenizer_config.json's `chat_template` (the "default" one of a list) and its special tokens as text."""
+    """A chat template's Jinja source and the special tokens of tokenizer_config.json as text."""
 
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)
@@ -62,22 +63,28 @@ def _default_template(source: Any, path: Path) -> str:
     raise ValueError(f"{path}: chat_template must be a string or a list with a 'default' entry")
 
 
-def read_chat_template(model_dir: str | Path) -> ChatTemplateSource | None:
-    """The chat template of `model_dir/tokenizer_config.json`, or None when it has none."""
+def read_chat_template(model_dir: str | Path, template_file: str | Path | None = None) -> ChatTemplateSource | None:
+    """The chat template, first found of: `template_file` (--chat-template), `chat_template.jinja` in the folder,
+    tokenizer_config.json's `chat_template`; None when there is none."""
     path = Path(model_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    special = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
+    if template_file is not None:
+        if not Path(template_file).is_file():
+            raise ValueError(f"chat_template: {template_file} is not a file (a Jinja chat template)")
+        return ChatTemplateSource(Path(template_file).read_text(encoding="utf-8"), special)
+    if (Path(model_dir) / CHAT_TEMPLATE_FILE).is_file():
+        return ChatTemplateSource((Path(model_dir) / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), special)
     if config.get("chat_template") is None:
         return None
-    special = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
     return ChatTemplateSource(_default_template(config["chat_template"], path), special)
 
 
-def load_checkpoint_text(model_dir: str | Path | None) -> CheckpointText:
-    """Tokenizer and chat template of a checkpoint folder (None: a server of token-id prompts only)."""
+def load_checkpoint_text(model_dir: str | Path | None, chat_template_file: str | Path | None = None) -> CheckpointText:
+    """Tokenizer and chat template of a checkpoint folder (None: a server of token-id prompts only);
+    `chat_template_file` replaces the folder's template."""
     if model_dir is None:
         return CheckpointText(None, None)
     if not Path(model_dir).is_dir():
         raise ValueError(f"model_dir: {model_dir} is not a folder")
-    return CheckpointText(load_tokenizer(model_dir), read_chat_template(model_dir))
+    return CheckpointText(load_tokenizer(model_dir), read_chat_template(model_dir, chat_template_file))

@@ -173,3 +173,34 @@ def test_vllm_bench_serve_body_is_served_and_unknown_fields_are_named_in_one_log
     with caplog.at_level("WARNING", logger="cluster.http_api.body"):
         assert client.post("/v1/chat/completions", json=chat).status_code == 200
     assert caplog.records[0].getMessage() == "ignored unknown request fields: messages[0].weight, parallel_tool_calls"
+
+
+@pytest.mark.parametrize("source", ["chat_template.jinja", "--chat-template"])
+def test_chat_template_from_a_jinja_file_beside_the_tokenizer_or_given_by_flag(tmp_path, source):
+    """GLM-5 ships its template as chat_template.jinja (tokenizer_config.json has none); --chat-template FILE
+    replaces whatever the checkpoint has."""
+    from cluster.serve_app import ingress_settings, validate_args
+
+    (tmp_path / "ckpt").mkdir()
+    folder = write_checkpoint_files(tmp_path / "ckpt", chat_template=False)
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}world :{% endif %}"
+    flag = None
+    if source == "chat_template.jinja":
+        (folder / "chat_template.jinja").write_text(template)
+    else:
+        flag = tmp_path / "mine.jinja"
+        flag.write_text(template)
+    settings = ingress_settings(validate_args({"chat_template": None if flag is None else str(flag)}), folder)
+    engine = FakeEngine()
+    client = TestClient(build_app(engine, settings))
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                         "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert engine.requests[0].prompt_token_ids == (3, 4, 8)  # "hello world :", not the default template's
+
+
+def test_a_chat_template_file_that_is_not_there_is_one_clear_error(checkpoint, tmp_path):
+    from model_workers.checkpoint.tokenizer import load_checkpoint_text
+
+    with pytest.raises(ValueError, match=r"chat_template: .*nope.jinja is not a file \(a Jinja chat template\)"):
+        load_checkpoint_text(checkpoint, tmp_path / "nope.jinja")
