@@ -28,6 +28,8 @@ class IngressSettings(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies: 413
     retry_after_s: int = Field(1, ge=1)  # the Retry-After of a 429
     metrics_replica: str = Field("ingress", min_length=1)  # `replica` label of the ingress's own metrics
+    served_model_name: list[str] | None = Field(None, min_length=1)  # names `model` may take; None: the folder's
+    allowed_origins: list[str] = Field(default_factory=list)  # CORS origins ("*": any); empty: no CORS headers
 
     def resolved_api_key(self) -> str | None:
         """The configured key, else env DSA_SERVE_API_KEY, else None (no authentication)."""
@@ -43,6 +45,7 @@ class ServeAppArgs(EngineLimits):
 
     model: str | None = None  # checkpoint folder; None: the embedded default model
     chat_template: str | None = None  # a Jinja chat template file; None: chat_template.jinja / tokenizer_config.json
+    served_model_name: list[str] | None = Field(None, min_length=1)  # the `model` names; None: the folder's name
     cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
     cp_strategy: CPStrategyName = "zigzag"
     cp_impl: CPImplName = "auto"

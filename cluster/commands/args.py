@@ -54,6 +54,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     """What describes a served engine (`serve`, and `bench serve` which starts or measures one): --model, the
     CP flags (cp_size 2), speculation, dtype, device and the engine placement."""
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the names clients send as `model` (several allowed; default: the folder's name)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file (default: the checkpoint's chat_template.jinja, else the"
                              " template in tokenizer_config.json)")

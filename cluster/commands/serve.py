@@ -8,6 +8,7 @@ Ray it started down. Each HTTP request logs one INFO line (`dsa_serve.access`, f
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import threading
 
@@ -23,6 +24,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help=f"require this Bearer key on /v1 (default: env {API_KEY_ENV})")
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
+    parser.add_argument("--allowed-origins", default=None,
+                        help='CORS origins: a JSON list (vLLM\'s form, e.g. \'["*"]\') or a comma list')
     parser.set_defaults(run=run)
 
 
@@ -36,10 +39,24 @@ def check_arguments(args: argparse.Namespace) -> None:
 def app_args(args: argparse.Namespace):
     from cluster.serve_app import validate_args
 
-    fields = {"model": args.model, "chat_template": args.chat_template, "cp_size": args.cp_size, "cp_strategy": args.cp_strategy,
-              "cp_impl": args.cp_impl, "ep_size": args.ep_size, "speculative_num_steps": args.speculative_num_steps, "dtype": args.dtype,
-              "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, **limits_from(args), "engine_placement": args.engine_placement, "ingress": {"api_key": args.api_key}}
+    names = ("model", "chat_template", "served_model_name", "cp_size", "cp_strategy", "cp_impl", "ep_size",
+             "speculative_num_steps", "dtype", "kv_cache_dtype", "device", "engine_placement")
+    fields = {name: getattr(args, name) for name in names}
+    ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None))}
+    fields.update(limits_from(args), ingress=ingress)
     return validate_args(fields)
+
+
+def origins(text: str | None) -> list[str]:
+    """--allowed-origins as a list: JSON (`["https://a", "https://b"]`) or comma-separated."""
+    if not text:
+        return []
+    if text.lstrip().startswith("["):
+        values = json.loads(text)
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"--allowed-origins must be a JSON list of strings or a comma list, got {text!r}")
+        return values
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def wait_for_stop() -> None:

@@ -1,7 +1,8 @@
 """The HTTP ingress: an OpenAI-style FastAPI app over an `EngineClient` (see cluster/engine_protocol.py).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (404 unless the checkpoint has a chat template),
-GET /v1/models, GET /health, GET /metrics. The /v1 routes need `Authorization: Bearer <key>` when an API
+GET /v1/models, GET /health, GET /metrics, and utility_routes.py's (/v1/models/{id}, /tokenize, /detokenize,
+/version). The model answers to its served names (`IngressSettings.served_model_name`, default its folder's). The /v1 routes need `Authorization: Bearer <key>` when an API
 key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY); /health and /metrics are open, for
 probes and scrapers. Everything is validated and tokenized here, before the engine is reached.
 """
@@ -13,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request, params
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -25,6 +27,7 @@ from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
 from cluster.http_api.openai_requests import ChatCompletionRequest, CompletionRequest, ModelLimits, SamplingRequest
 from cluster.http_api.openai_responses import ModelCard, ModelList
 from cluster.http_api.prompt_encoding import PromptEncoder
+from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
 from cluster.serve_settings import IngressSettings
 from cp_router.metrics import ServeMetrics, merge_metrics_text
 from cp_router.protocol import EngineClient, ModelInfo, one_line
@@ -43,10 +46,20 @@ class Ingress:
     metrics: ServeMetrics
     started: int
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.info.name:
-            raise APIError(404, f"model {requested!r} does not exist; this server serves {self.info.name!r}",
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names clients may send as `model` (the first is the one responses carry when a request names none)."""
+        return tuple(self.settings.served_model_name or (self.info.name,))
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name a request addresses; 404 model_not_found for any other name."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            served = ", ".join(repr(name) for name in self.names)
+            raise APIError(404, f"model {requested!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+        return requested
 
     def plan_completion(self, body: CompletionRequest) -> Generation:
         prompts = [self.encoder.encode(prompt, self.limits) for prompt in body.prompts()]
@@ -54,7 +67,7 @@ class Ingress:
                       for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         choices = plan_choices(request_id, prompts, max_tokens, body, body.logprobs, self.limits)
-        return Generation(request_id, choices, CompletionFormatter(request_id, self.info.name),
+        return Generation(request_id, choices, CompletionFormatter(request_id, self.check_model(body.model)),
                           sum(len(prompt.token_ids) for prompt in prompts), echo=body.echo)
 
     def plan_chat(self, body: ChatCompletionRequest) -> Generation:
@@ -63,7 +76,8 @@ class Ingress:
                                                     body.min_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits)
-        return Generation(request_id, choices, ChatFormatter(request_id, self.info.name), len(prompt.token_ids))
+        return Generation(request_id, choices, ChatFormatter(request_id, self.check_model(body.model)),
+                          len(prompt.token_ids))
 
     async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:
         request.state.request_id = generation.request_id
@@ -80,8 +94,8 @@ class Ingress:
         return body
 
     def model_list(self) -> ModelList:
-        card = ModelCard(id=self.info.name, created=self.started, max_model_len=self.info.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[ModelCard(id=name, created=self.started, max_model_len=self.info.max_model_len)
+                               for name in self.names])
 
     async def health(self) -> dict[str, str]:
         try:
@@ -149,6 +163,12 @@ def build_app(engine_client: EngineClient, settings: IngressSettings | None = No
     app.add_middleware(ConcurrencyLimitMiddleware, paths=GENERATION_PATHS, limit=settings.max_ongoing_requests,
                        retry_after_s=settings.retry_after_s)
     app.add_middleware(AccessLogMiddleware, metrics=ingress.metrics)
-    _add_routes(app, ingress, Depends(api_key_dependency(settings.resolved_api_key())))
+    app.add_middleware(RequestIdMiddleware)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    authorized = Depends(api_key_dependency(settings.resolved_api_key()))
+    _add_routes(app, ingress, authorized)
+    add_utility_routes(app, ingress, authorized)
     app.state.ingress = ingress
     return app

@@ -14,7 +14,8 @@ from cluster.http_api.errors import APIError, error_response, retry_later
 from cp_router.metrics import ServeMetrics
 
 access_logger = logging.getLogger("dsa_serve.access")
-LOGGED_STATE_FIELDS = ("request_id", "prompt_tokens", "completion_tokens", "finish", "error", "user")
+LOGGED_STATE_FIELDS = ("request_id", "client_request_id", "prompt_tokens", "completion_tokens", "finish", "error",
+                       "user")
 
 
 def route_path(scope: Scope) -> str:
