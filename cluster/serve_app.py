@@ -55,8 +55,8 @@ def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
     """The engine's options: the args' capacity fields resolved against the model (pages, window)."""
     limits = limit_options(model_dir, EngineLimits(**limits_from(args)), args.dtype, args.kv_cache_dtype,
                            args.speculative_num_steps)
-    return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_speculative_steps=args.speculative_num_steps,
-                         use_gpu=args.device == "cuda", **limits)
+    return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                         num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda", **limits)
 
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (404 unless the checkpoint has a chat template),
 GET /v1/models, GET /health, GET /metrics, and utility_routes.py's (/v1/models/{id}, /tokenize, /detokenize,
-/version). The model answers to its served names (`IngressSettings.served_model_name`, default its folder's). The /v1 routes need `Authorization: Bearer <key>` when an API
+/version). The model answers to its served names (`IngressSettings.served_model_name`, default its folder's).
+The /v1 routes need `Authorization: Bearer <key>` when an API
 key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY); /health and /metrics are open, for
 probes and scrapers. Everything is validated and tokenized here, before the engine is reached.
 """

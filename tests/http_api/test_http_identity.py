@@ -89,7 +89,8 @@ def test_cors_for_the_allowed_origins_only(served):
     assert "access-control-allow-origin" not in other.headers
 
 
-@pytest.mark.parametrize("origins_flag", ['["https://a.example", "https://b.example"]', "https://a.example,https://b.example"])
+@pytest.mark.parametrize("origins_flag", ['["https://a.example", "https://b.example"]',
+                                          "https://a.example,https://b.example"])
 def test_serve_flags_reach_the_ingress(checkpoint, origins_flag):
     from cluster import cli
     from cluster.commands.serve import app_args
