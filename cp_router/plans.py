@@ -27,6 +27,7 @@ class PrefillRequest:
     sampling: SamplingParams = SamplingParams()
     final_chunk: bool = True  # False: more prompt chunks follow
     num_generated: int = 0  # prompt tail that is output recomputed after preemption (RNG index, min_tokens)
+    context_ids: tuple[int, ...] = ()  # final chunk of a request with penalties: its whole context (prompt + outputs)
 
 
 @dataclass(frozen=True)

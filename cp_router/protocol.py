@@ -30,6 +30,11 @@ class EngineRequest:
     ignore_eos: bool = False  # keep generating past the model's EOS token(s)
     seed: int | None = None  # same seed + same request -> same tokens, whatever else is batched with it
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob + k top alternatives
+    repetition_penalty: float = 1.0  # the options of model_workers/logits_processing.py (vLLM's semantics)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
 
 @dataclass(frozen=True)

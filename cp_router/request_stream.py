@@ -16,7 +16,9 @@ def sampling_of(request: EngineRequest) -> SamplingParams:
     return SamplingParams(
         temperature=request.temperature, seed=seed, top_p=request.top_p, top_k=request.top_k,
         min_tokens=request.min_tokens, max_tokens=request.max_tokens, stop_token_ids=tuple(request.stop_token_ids),
-        ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+        ignore_eos=request.ignore_eos, logprobs=request.logprobs, repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, min_p=request.min_p,
+        logit_bias=tuple(request.logit_bias),
     )
 
 

@@ -25,6 +25,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k top alternatives
+    repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and output tokens)
+    presence_penalty: float = 0.0  # output tokens: logit -= presence * (count > 0)
+    frequency_penalty: float = 0.0  # output tokens: logit -= frequency * count
+    min_p: float = 0.0  # tokens below min_p x the top probability are dropped (0 = off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self):
         checks = [
@@ -34,6 +39,10 @@ class SamplingParams:
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "None or >= 0"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -42,6 +51,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_history(self) -> bool:
+        """The penalties look at the request's tokens (the owner keeps a `TokenHistory`)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def stop_ids(self, eos_ids: tuple[int, ...]) -> list[int]:
         """The ids that end the request: its stop ids, then the model's EOS ids unless `ignore_eos`."""

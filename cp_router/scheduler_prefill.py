@@ -109,7 +109,9 @@ def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShar
         seq = scheduler.requests[piece.request_id]
         context = seq.context_ids()
         end = piece.prefix_len + piece.extend_len
-        requests.append(PrefillRequest(seq.request_id, owner, seq.sampling, piece.final, seq.num_generated_at_prefill))
+        history = tuple(context) if piece.final and seq.sampling.needs_history else ()
+        requests.append(PrefillRequest(seq.request_id, owner, seq.sampling, piece.final, seq.num_generated_at_prefill,
+                                       history))
         chunks.append(context[piece.prefix_len : end])
         next_after.append(None if piece.final else context[end])
     lens, prefixes = [p.extend_len for p in batch.pieces], [p.prefix_len for p in batch.pieces]

@@ -18,6 +18,7 @@ from model_workers.backends.shared_topk import position_slots
 from model_workers.backends.torch_backend import ForwardBatch
 from model_workers.comm import LocalComm
 from model_workers.kv_cache import PageTable
+from model_workers.logits_processing import TokenHistory
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.sampler import sample, token_logprob
 from model_workers.v4_cache import V4Cache
@@ -36,6 +37,7 @@ class PrefillContext:
     device: torch.device
     draft_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # owned: MTP output at the last row [D]
     draft_topk: dict[str, torch.Tensor] = field(default_factory=dict)  # owned, index sharing: its top-k slots [k']
+    histories: dict[str, TokenHistory] = field(default_factory=dict)  # owned, with penalties: tokens so far
 
 
 def cp_forward_batch(tables: list[PageTable], meta: RankMetadata, page_size: int, device) -> ForwardBatch:
@@ -95,13 +97,19 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -
     last_rows = last_rows_global(meta).to(ctx.device)  # [R]
     logits = model.logits(hidden_global[last_rows])  # [R, vocab] float32
     eos_ids = model.config.eos_token_ids
-    sampled = torch.tensor(
-        [sample(logits[s], req.sampling, eos_ids, req.num_generated) for s, req in enumerate(shard.requests)]
+    histories = [TokenHistory.of(req.context_ids, req.num_generated, model.config.vocab_size) if req.context_ids
+                 else None for req in shard.requests]
+    sampled = torch.tensor(  # a non-final chunk's token is never used: its argmax stands in
+        [sample(logits[s], req.sampling, eos_ids, req.num_generated, history=histories[s]) if req.final_chunk
+         else int(logits[s].argmax()) for s, req in enumerate(shard.requests)]
     )  # [R] int64, equal on every rank (counter-based randomness)
     outputs = {}
     for s, req in enumerate(shard.requests):
         if req.owner_rank == ctx.cp_rank:
             token = int(sampled[s])
+            if histories[s] is not None:
+                histories[s].add(token)
+                ctx.histories[req.request_id] = histories[s]
             out = RequestOutput(req.request_id, token, logits[s].cpu() if return_logits else None, token_ids=[token])
             if req.final_chunk:
                 out.finish_reason = req.sampling.finish_reason(token, req.num_generated + 1, eos_ids)

@@ -200,7 +200,8 @@ class CPWorker:
         for req, pages in zip(shard.requests, shard.page_tables):  # the owner keeps what decoding needs
             if req.owner_rank == self.cp_rank and req.final_chunk:
                 self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
-                                                        ctx.draft_topk.get(req.request_id), pages[:1])
+                                                        ctx.draft_topk.get(req.request_id), pages[:1],
+                                                        ctx.histories.get(req.request_id))
             elif req.final_chunk:
                 self.runner.cache.release(pages)  # DeepSeek-V4: a non-owner's copy of the request's state
         return outputs

@@ -30,6 +30,7 @@ from cp_router.sampling import SamplingParams
 from model_workers.backends.shared_topk import SharedTopkBackend, reuse_rows
 from model_workers.expert_parallel import dp_forward_rows
 from model_workers.kv_cache import PageTable
+from model_workers.logits_processing import TokenHistory
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.sampler import draft_token, sample, token_logprob, verify
 
@@ -42,6 +43,7 @@ class HeldRequest:
     draft_hidden: torch.Tensor | None = None  # [D] MTP output at the last cached position
     draft_topk: torch.Tensor | None = None  # [k'] MTP top-k slots there (MTP index sharing only)
     pages: tuple[int, ...] = ()  # its first page (DeepSeek-V4 files the request's cache state under it)
+    history: TokenHistory | None = None  # prompt and output tokens, when its penalties need them
 
 
 @dataclass
@@ -69,6 +71,8 @@ def emit(state: DecodeState, tokens: list[int], rows: torch.Tensor, eos_ids: tup
         if params.logprobs is not None:
             state.out.logprobs.append(token_logprob(rows[j], token, params.logprobs))
         state.out.token_ids.append(token)
+        if state.held.history is not None:
+            state.held.history.add(token)
         kept, state.budget, state.index = kept + 1, state.budget - 1, state.index + 1
         state.out.finish_reason = params.finish_reason(token, state.index, eos_ids)  # "length" at budget 0
         if state.out.finish_reason is not None:
@@ -112,7 +116,7 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
     clock.steps["plain"] += 1
     argmax = logits.argmax(-1).tolist()  # [B]
     for b, state in enumerate(states):
-        token = sample(logits[b], state.held.sampling, eos_ids, state.index, argmax[b])
+        token = sample(logits[b], state.held.sampling, eos_ids, state.index, argmax[b], state.held.history)
         emit(state, [token], logits[b : b + 1], eos_ids)
         if return_logits:
             state.out.logits = logits[b].cpu()
@@ -139,7 +143,8 @@ def draft_chain(
         draft_logits = model.mtp_logits(hidden)  # [B, V]
         argmax = draft_logits.argmax(-1).tolist()  # [B]
         for b, state in enumerate(states):
-            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j, argmax[b])
+            history = state.held.history.with_tokens(drafts[b]) if state.held.history is not None else None
+            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j, argmax[b], history)
             drafts[b].append(token)
             probs[b].append(q)
         if j < k - 1:  # MTP position n + j takes (d_j, its own previous output)
@@ -174,7 +179,8 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
     extend_items, extend_rows, extend_starts, extended = [], [], [], []
     for b, (state, n) in enumerate(zip(states, starts)):
         params = state.held.sampling
-        accepted, tokens = verify(logits[b], drafts[b], probs[b], params, eos_ids, state.index, argmax[b])
+        accepted, tokens = verify(logits[b], drafts[b], probs[b], params, eos_ids, state.index, argmax[b],
+                                  state.held.history)
         state.out.drafted += k
         for j in range(accepted):
             state.out.accepted_per_position[j] += 1

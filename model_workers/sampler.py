@@ -17,6 +17,7 @@ import math
 import torch
 
 from cp_router.sampling import SamplingParams
+from model_workers.logits_processing import TokenHistory, needs_processing, process_logits
 
 SLOT_DRAFT, SLOT_ACCEPT, SLOT_TARGET = 0, 1, 2
 _MASK64 = (1 << 64) - 1
@@ -30,9 +31,11 @@ def uniform(seed: int, index: int, slot: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int]) -> torch.Tensor:
-    """logits [V] -> the distribution tokens are drawn from [V] float32 (one-hot when greedy)."""
-    logits = logits.float()
+def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int],
+                 history: TokenHistory | None = None) -> torch.Tensor:
+    """Raw logits [V] -> the distribution tokens are drawn from [V] float32 (one-hot when greedy): bias and
+    penalties (logits_processing.py), blocked ids, temperature, top-k, min-p, top-p."""
+    logits = process_logits(logits.float(), params, history)
     if blocked:
         logits = logits.clone()
         logits[blocked] = float("-inf")
@@ -43,6 +46,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int
         kth = logits.topk(params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)  # [V]
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
@@ -64,23 +70,29 @@ def draw(probs: torch.Tensor, u: float) -> int:
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None
+    logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None,
+    history: TokenHistory | None = None,
 ) -> int:
-    """Output token number `index` from logits [V]; `argmax` of the logits when the caller has it (batched)."""
+    """Output token number `index` from raw logits [V]; `argmax` of the raw logits when the caller has it
+    (batched); `history` the request's tokens when its penalties need them."""
     blocked = params.blocked_ids(eos_ids, index)
-    if params.greedy and not blocked:
+    if params.greedy and not blocked and not needs_processing(params):
         return int(logits.argmax()) if argmax is None else argmax
-    probs = target_probs(logits, params, blocked)
+    probs = target_probs(logits, params, blocked, history)
     return int(probs.argmax()) if params.greedy else draw(probs, uniform(params.seed, index, SLOT_TARGET))
 
 
 def draft_token(
-    draft_logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None
+    draft_logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None,
+    history: TokenHistory | None = None,
 ) -> tuple[int, torch.Tensor | None]:
-    """The draft's proposal for output `index`: (token, q [V]); q is None when greedy (argmax, no q needed)."""
+    """The draft's proposal for output `index`: (token, q [V]); q is None when greedy (argmax, no q needed).
+    The draft samples with the request's options too (better acceptance; verification alone keeps it exact)."""
     if params.greedy:
+        if needs_processing(params):
+            return int(process_logits(draft_logits.float(), params, history).argmax()), None
         return (int(draft_logits.argmax()) if argmax is None else argmax), None
-    q = target_probs(draft_logits, params, params.blocked_ids(eos_ids, index))
+    q = target_probs(draft_logits, params, params.blocked_ids(eos_ids, index), history)
     return draw(q, uniform(params.seed, index, SLOT_DRAFT)), q
 
 
@@ -92,23 +104,26 @@ def verify(
     eos_ids: tuple[int, ...],
     index: int,
     argmax: list[int] | None = None,
+    history: TokenHistory | None = None,
 ) -> tuple[int, list[int]]:
     """target_logits [k+1, V] at the verified positions -> (accepted drafts m, the m + 1 output tokens).
 
     Row j scores output number index + j; drafts[j] was proposed for it with distribution draft_probs[j].
-    `argmax` [k+1]: the rows' argmax when the caller computed them batched.
+    `argmax` [k+1]: the rows' argmax when the caller computed them batched. Row j's penalties see `history`
+    plus drafts[:j]: the tokens plain decoding would have emitted before that position.
     """
     argmax = argmax or [None] * len(target_logits)
     tokens = []
     for j, (draft, q) in enumerate(zip(drafts, draft_probs)):
         blocked = params.blocked_ids(eos_ids, index + j)
+        row_history = history.with_tokens(drafts[:j]) if history is not None else None
         if params.greedy:
-            target = sample(target_logits[j], params, eos_ids, index + j, argmax[j])
+            target = sample(target_logits[j], params, eos_ids, index + j, argmax[j], row_history)
             if target != draft:
                 return j, tokens + [target]
             tokens.append(draft)
             continue
-        p = target_probs(target_logits[j], params, blocked)  # [V]
+        p = target_probs(target_logits[j], params, blocked, row_history)  # [V]
         if uniform(params.seed, index + j, SLOT_ACCEPT) * float(q[draft]) < float(p[draft]):
             tokens.append(draft)
             continue
@@ -116,7 +131,8 @@ def verify(
         residual = residual if float(residual.sum()) > 0 else p
         return j, tokens + [draw(residual, uniform(params.seed, index + j, SLOT_TARGET))]
     k = len(drafts)
-    return k, tokens + [sample(target_logits[k], params, eos_ids, index + k, argmax[k])]
+    last_history = history.with_tokens(drafts) if history is not None else None
+    return k, tokens + [sample(target_logits[k], params, eos_ids, index + k, argmax[k], last_history)]
 
 
 def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> tuple[int, float, tuple]:

@@ -35,6 +35,8 @@ def plan_choices(request_id: str, prompts: list[EncodedPrompt], max_tokens: list
                  logprobs: int | None, limits: ModelLimits) -> list[PlannedChoice]:
     """n engine requests per prompt; with a seed, choice i samples with seed + i (so the n choices differ)."""
     limits.check_token_ids(body.stop_token_ids, "stop_token_ids")
+    bias = body.engine_logit_bias()
+    limits.check_token_ids([token_id for token_id, _ in bias], "logit_bias")
     planned = []
     for prompt_index, prompt in enumerate(prompts):
         for sample_index in range(body.n):
@@ -45,7 +47,9 @@ def plan_choices(request_id: str, prompts: list[EncodedPrompt], max_tokens: list
                 max_tokens=max_tokens[prompt_index], temperature=body.temperature, top_p=body.top_p,
                 top_k=limits.engine_top_k(body.top_k), min_tokens=body.min_tokens,
                 stop_token_ids=tuple(body.stop_token_ids), stop=tuple(body.stop), ignore_eos=body.ignore_eos,
-                seed=seed, logprobs=logprobs)
+                seed=seed, logprobs=logprobs, repetition_penalty=body.repetition_penalty,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, min_p=body.min_p,
+                logit_bias=bias)
             planned.append(PlannedChoice(index, prompt, request))
     return planned
 

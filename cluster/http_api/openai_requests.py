@@ -1,9 +1,9 @@
 """OpenAI-compatible request models (`POST /v1/completions`, `POST /v1/chat/completions`) and their limits.
 
 Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 1], n in 1..16, logprobs
-0..5, at most 4 stop strings. Extensions (vLLM-style): top_k (0 or -1 = off), min_tokens, ignore_eos,
-stop_token_ids. An explicit JSON null means "the default". Fields this server knows but does not implement
-yet are accepted only at their no-op value (e.g. presence_penalty 0, repetition_penalty 1) and rejected
+0..5, at most 4 stop strings, presence / frequency penalties in [-2, 2], logit_bias in [-100, 100]. Extensions
+(vLLM-style): top_k (0 or -1 = off), min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids. An
+explicit JSON null means "the default". Fields this server knows but does not implement yet are accepted only at their no-op value (e.g. best_of 1, include_stop_str_in_output false) and rejected
 otherwise; unknown fields are ignored, as vLLM does, and named in one log line per request (body.py).
 Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`.
 """
@@ -32,6 +32,8 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 128  # prompts x n per HTTP request
 MAX_SEED = 2**63 - 1
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PROMPT_SHAPES = "a non-empty string, a list of strings, a list of token ids, or a list of lists of token ids"
 
@@ -48,7 +50,6 @@ def _only(no_op: Any) -> Callable[[Any], Any]:
 ZeroOnly = Annotated[Any, AfterValidator(_only(0))]
 OneOnly = Annotated[Any, AfterValidator(_only(1))]
 FalseOnly = Annotated[Any, AfterValidator(_only(False))]
-EmptyDictOnly = Annotated[Any, AfterValidator(_only({}))]
 EmptyListOnly = Annotated[Any, AfterValidator(_only([]))]
 EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]
 
@@ -105,12 +106,12 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
-    frequency_penalty: ZeroOnly = None
-    presence_penalty: ZeroOnly = None
-    repetition_penalty: OneOnly = None  # vLLM's; `vllm bench serve` sends 1.0 on every request
-    min_p: ZeroOnly = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's (`vllm bench serve` sends 1.0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: FalseOnly = None
-    logit_bias: EmptyDictOnly = None
 
     @model_validator(mode="before")
     @classmethod
@@ -119,6 +120,20 @@ class SamplingRequest(BaseModel):
             return data
         return {key: value for key, value in data.items()
                 if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()}
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, bias in value.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids (as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    def engine_logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs in id order (the vocabulary check needs the model: ModelLimits)."""
+        return tuple(sorted((int(key), float(bias)) for key, bias in self.logit_bias.items()))
 
     @field_validator("stop", mode="before")
     @classmethod

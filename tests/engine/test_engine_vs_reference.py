@@ -32,8 +32,9 @@ def models(reference_checkpoint, tmp_path_factory):
             "v4": (target, v4_folder)}
 
 
-def reference_greedy(ref, ids: list[int], count: int) -> list[int]:
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
+def reference_greedy(ref, ids: list[int], count: int, **generate_options) -> list[int]:
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0,
+                       **generate_options)
     return out[0, len(ids):].tolist()
 
 
@@ -61,6 +62,20 @@ def test_cp_v2_chunked_prefill_with_speculation_matches_transformers(cluster, mo
     for prompt, result in zip(prompts, run_all(engine, requests)):
         assert result["token_ids"] == reference_greedy(ref, prompt, 10)
     assert 16 in watch.prefixes and 32 in watch.prefixes  # chunks with a cached prefix ran split over both ranks
+
+
+def test_repetition_penalty_under_cp_chunking_and_speculation_matches_transformers(cluster, models):
+    """transformers' RepetitionPenaltyLogitsProcessor is the oracle: the prompt crosses chunks split over both
+    ranks, every rank samples the prefill token with the request's history, the owner keeps it for decode."""
+    ref, folder = models["v32"]
+    engine = cluster.engine(2, folder, "interleave", "v2", prefill_token_budget=CHUNK, num_speculative_steps=2,
+                            return_logits=False)
+    prompts = make_prompts([40, 9], seed=13)
+    requests = [EngineRequest(f"r{i}", tuple(p), 12, temperature=0.0, ignore_eos=True, repetition_penalty=1.6)
+                for i, p in enumerate(prompts)]
+    for prompt, result in zip(prompts, run_all(engine, requests)):
+        assert result["token_ids"] == reference_greedy(ref, prompt, 12, repetition_penalty=1.6)
+        assert result["token_ids"] != reference_greedy(ref, prompt, 12)  # the penalty changed the tokens
 
 
 def reference_logprobs(ref, prompt: list[int], tokens: list[int], top: int) -> list[tuple[float, list[int], list[float]]]:
@@ -104,8 +119,9 @@ def test_logprob_values_equal_the_reference_log_softmax(cluster, models, cp_size
 def test_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, models, model):
     _, folder = models[model]
     prompts = make_prompts([30, 12, 5, 19], seed=17)
-    requests = [EngineRequest(f"t{i}", tuple(p), 16, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True)
-                for i, p in enumerate(prompts)]
+    penalties = [{}, dict(presence_penalty=0.7, frequency_penalty=0.4), dict(repetition_penalty=1.3, min_p=0.05), {}]
+    requests = [EngineRequest(f"t{i}", tuple(p), 16, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True,
+                              **penalties[i]) for i, p in enumerate(prompts)]
     alone = run_all(local_engine(folder, EngineOptions(num_speculative_steps=2, num_pages=64, page_size=8)), requests)
     grouped = run_all(cluster.engine(2, folder, "interleave", "v2", num_speculative_steps=2, return_logits=False),
                       requests)

@@ -204,3 +204,16 @@ def test_a_chat_template_file_that_is_not_there_is_one_clear_error(checkpoint, t
 
     with pytest.raises(ValueError, match=r"chat_template: .*nope.jinja is not a file \(a Jinja chat template\)"):
         load_checkpoint_text(checkpoint, tmp_path / "nope.jinja")
+
+
+def test_penalties_min_p_and_logit_bias_reach_the_engine(served):
+    engine, client = served
+    body = {"prompt": [5, 6], "max_tokens": 2, "repetition_penalty": 1.3, "presence_penalty": -0.5,
+            "frequency_penalty": 1, "min_p": 0.1, "logit_bias": {"12": -100, "7": 2.5}}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "presence_penalty": 0.2}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    first, second = engine.requests
+    assert (first.repetition_penalty, first.presence_penalty, first.frequency_penalty, first.min_p) == (1.3, -0.5, 1.0,
+                                                                                                       0.1)
+    assert first.logit_bias == ((7, 2.5), (12, -100.0)) and second.presence_penalty == 0.2
