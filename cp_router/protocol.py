@@ -35,6 +35,8 @@ class EngineRequest:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    skip_special_tokens: bool = True  # special tokens are left out of the text (their ids are returned)
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text instead of being cut
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ class RequestStream:
 
     def __init__(self, request: EngineRequest, tokenizer):
         self.request = request
-        self.text = IncrementalText(tokenizer, tuple(request.stop))
+        self.text = IncrementalText(tokenizer, tuple(request.stop), request.skip_special_tokens,
+                                    request.include_stop_str_in_output)
         self.queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
         self.completion_tokens = 0
         self.finished = False

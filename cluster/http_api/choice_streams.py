@@ -49,7 +49,8 @@ def plan_choices(request_id: str, prompts: list[EncodedPrompt], max_tokens: list
                 stop_token_ids=tuple(body.stop_token_ids), stop=tuple(body.stop), ignore_eos=body.ignore_eos,
                 seed=seed, logprobs=logprobs, repetition_penalty=body.repetition_penalty,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, min_p=body.min_p,
-                logit_bias=bias)
+                logit_bias=bias, skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output)
             planned.append(PlannedChoice(index, prompt, request))
     return planned
 

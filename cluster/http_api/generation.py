@@ -86,14 +86,18 @@ class SSEResponse(StreamingResponse):
 
 
 async def _sse_body(events: Events, first: tuple[int, EngineChunk] | None, encoder: PromptEncoder,
-                    generation: Generation, include_usage: bool, scope: Scope) -> AsyncIterator[str]:
+                    generation: Generation, include_usage: bool, scope: Scope,
+                    continuous_usage: bool = False) -> AsyncIterator[str]:
     states = generation.new_states()
     ended = False  # stays False when the client leaves (the generator is closed or cancelled mid-stream)
     try:
         item = first
         while item is not None:
             index, chunk = item
-            yield sse_event(generation.formatter.chunk(index, states[index].apply(chunk, encoder)), include_usage)
+            event = generation.formatter.chunk(index, states[index].apply(chunk, encoder))
+            if continuous_usage:
+                event.usage = generation.usage(states)
+            yield sse_event(event, include_usage or continuous_usage)
             item = await anext(events, None)
         ended = True
         if include_usage:
@@ -114,8 +118,9 @@ async def _sse_body(events: Events, first: tuple[int, EngineChunk] | None, encod
 
 
 async def respond_stream(request: Request, engine: EngineClient, encoder: PromptEncoder, generation: Generation,
-                         include_usage: bool) -> SSEResponse:
+                         include_usage: bool, continuous_usage: bool = False) -> SSEResponse:
+    """SSE chunks; the usage once at the end (`include_usage`) and/or in every chunk (`continuous_usage`)."""
     events = merge_choice_streams(engine, generation.choices)
     first = await unless_disconnected(request, anext(events, None))
-    body = _sse_body(events, first, encoder, generation, include_usage, request.scope)
+    body = _sse_body(events, first, encoder, generation, include_usage, request.scope, continuous_usage)
     return SSEResponse(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

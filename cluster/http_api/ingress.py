@@ -63,7 +63,8 @@ class Ingress:
         return requested
 
     def plan_completion(self, body: CompletionRequest) -> Generation:
-        prompts = [self.encoder.encode(prompt, self.limits) for prompt in body.prompts()]
+        prompts = [self.encoder.encode(prompt, self.limits, add_special_tokens=body.add_special_tokens)
+                   for prompt in body.prompts()]
         max_tokens = [self.limits.resolve_max_tokens(len(p.token_ids), body.max_tokens, body.min_tokens, "prompt")
                       for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -83,7 +84,8 @@ class Ingress:
     async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:
         request.state.request_id = generation.request_id
         if body.stream:
-            return await respond_stream(request, self.engine, self.encoder, generation, body.include_usage_in_stream)
+            return await respond_stream(request, self.engine, self.encoder, generation, body.include_usage_in_stream,
+                                        body.usage_in_every_chunk)
         whole = await respond_whole(request, self.engine, self.encoder, generation)
         return JSONResponse(whole.model_dump(mode="json"))
 

@@ -1,9 +1,9 @@
 """OpenAI-compatible request models (`POST /v1/completions`, `POST /v1/chat/completions`) and their limits.
 
 Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 1], n in 1..16, logprobs
-0..5, at most 4 stop strings, presence / frequency penalties in [-2, 2], logit_bias in [-100, 100]. Extensions
+0..20 (vLLM's limit), at most 4 stop strings, presence / frequency penalties in [-2, 2], logit_bias in [-100, 100]. Extensions
 (vLLM-style): top_k (0 or -1 = off), min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids. An
-explicit JSON null means "the default". Fields this server knows but does not implement yet are accepted only at their no-op value (e.g. best_of 1, include_stop_str_in_output false) and rejected
+explicit JSON null means "the default". Fields this server knows but does not implement yet are accepted only at their no-op value (e.g. best_of 1, suffix "") and rejected
 otherwise; unknown fields are ignored, as vLLM does, and named in one log line per request (body.py).
 Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`.
 """
@@ -27,7 +27,7 @@ from pydantic import (
 from cluster.http_api.errors import bad_request
 
 MAX_N = 16
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 128  # prompts x n per HTTP request
@@ -49,7 +49,6 @@ def _only(no_op: Any) -> Callable[[Any], Any]:
 
 ZeroOnly = Annotated[Any, AfterValidator(_only(0))]
 OneOnly = Annotated[Any, AfterValidator(_only(1))]
-FalseOnly = Annotated[Any, AfterValidator(_only(False))]
 EmptyListOnly = Annotated[Any, AfterValidator(_only([]))]
 EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]
 
@@ -86,6 +85,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class SamplingRequest(BaseModel):
@@ -111,7 +111,8 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's (`vllm bench serve` sends 1.0)
     min_p: float = Field(0.0, ge=0, le=1)
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
-    include_stop_str_in_output: FalseOnly = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -157,12 +158,17 @@ class SamplingRequest(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     max_tokens: int = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's default for completions: the tokenizer's BOS, if it adds one
     best_of: OneOnly = None
     suffix: EmptyTextOnly = None
 

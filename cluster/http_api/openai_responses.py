@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import json
 import time
+from importlib import metadata
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
 OpenAIFinishReason = Literal["stop", "length"]
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def server_version() -> str:
+    """The installed dsa-serve's version ("unknown" outside an installed package)."""
+    try:
+        return metadata.version("dsa-serve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+SYSTEM_FINGERPRINT = f"fp_dsa_serve_{server_version()}"  # the server build every response came from
 
 
 class UsageInfo(BaseModel):
@@ -53,6 +65,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str = Field(default_factory=lambda: SYSTEM_FINGERPRINT)
 
 
 class TopLogprob(BaseModel):
@@ -88,6 +101,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    system_fingerprint: str = Field(default_factory=lambda: SYSTEM_FINGERPRINT)
 
 
 class ChatDelta(BaseModel):
@@ -109,6 +123,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str = Field(default_factory=lambda: SYSTEM_FINGERPRINT)
 
 
 class ModelCard(BaseModel):

@@ -37,15 +37,17 @@ class PromptEncoder:
     def from_model_dir(cls, model_dir: str | Path | None, chat_template_file: str | None = None) -> PromptEncoder:
         return cls.from_text(load_checkpoint_text(model_dir, chat_template_file))
 
-    def _encode_text(self, text: str, param: str) -> list[int]:
+    def _encode_text(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise bad_request(f"{param}: this model has no tokenizer.json; send the prompt as token ids",
                               param=param, code="no_tokenizer")
-        return encode(self.tokenizer, text)
+        return encode(self.tokenizer, text, add_special_tokens)
 
-    def encode(self, prompt: str | list[int], limits: ModelLimits, param: str = "prompt") -> EncodedPrompt:
-        """One prompt of a completions request; token ids are checked against the vocabulary."""
-        token_ids = self._encode_text(prompt, param) if isinstance(prompt, str) else list(prompt)
+    def encode(self, prompt: str | list[int], limits: ModelLimits, param: str = "prompt",
+               add_special_tokens: bool = False) -> EncodedPrompt:
+        """One prompt of a completions request (text: with the tokenizer's BOS when `add_special_tokens`, as vLLM
+        does by default); token ids are taken as they are and checked against the vocabulary."""
+        token_ids = self._encode_text(prompt, param, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise bad_request(f"{param}: the prompt encodes to zero tokens", param=param)
         limits.check_token_ids(token_ids, param)

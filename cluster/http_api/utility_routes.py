@@ -8,7 +8,6 @@ GET /version. `RequestIdMiddleware` keeps a client's X-Request-Id (logged, echoe
 from __future__ import annotations
 
 import uuid
-from importlib import metadata
 
 from fastapi import FastAPI, Request, params
 from fastapi.responses import JSONResponse
@@ -18,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cluster.http_api.body import read_json_body
 from cluster.http_api.errors import bad_request
 from cluster.http_api.openai_requests import ChatMessage, PromptInput
+from cluster.http_api.openai_responses import server_version
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -35,13 +35,6 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
-def server_version() -> str:
-    try:
-        return metadata.version("dsa-serve")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def add_utility_routes(app: FastAPI, ingress, authorized: params.Depends) -> None:

@@ -37,8 +37,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
-def encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; with add_special_tokens, the tokenizer's post-processor adds its BOS (if it has one)."""
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def decode(tokenizer: Tokenizer, ids: list[int]) -> str:

@@ -100,7 +100,7 @@ class FakeEngine:
     def _logprobs(request: EngineRequest, token: int) -> tuple[TokenLogprob, ...] | None:
         if request.logprobs is None:
             return None
-        top = tuple((token - rank, -0.5 - rank) for rank in range(request.logprobs))
+        top = tuple(((token - rank) % VOCAB_SIZE, -0.5 - rank) for rank in range(request.logprobs))
         return (TokenLogprob(token, -0.5, top),)
 
     async def abort(self, request_id: str) -> None:
