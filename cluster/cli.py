@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from cluster.commands import bench, generate, plan, random_checkpoint, serve, train
+from cluster.commands.aliases import expand_config_file, resolve_speculation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,8 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(argv)
+    except ValueError as exc:
+        print(f"dsa-serve: error: {exc}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
+        resolve_speculation(args)
         return args.run(args) or 0
     except (ValueError, FileNotFoundError) as exc:
         print(f"dsa-serve {args.command}: error: {exc}", file=sys.stderr)

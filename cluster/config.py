@@ -18,13 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cp_router.cp.padding import CP_IMPLS
 from cp_router.cp.strategies import CP_STRATEGIES
 from model_workers.kv_format import KV_CACHE_DTYPES
-from model_workers.precision import STORAGE_DTYPES
+from model_workers.precision import AUTO_DTYPE, STORAGE_DTYPES
 
 # The allowed values of every enumerated setting, derived from the table that owns them; CLI `choices=` and the
 # Serve YAML schema both come from these.
 CPStrategyName = Literal[CP_STRATEGIES]
 CPImplName = Literal[("auto", *CP_IMPLS)]
-DTypeName = Literal[tuple(STORAGE_DTYPES)]
+DTypeName = Literal[(AUTO_DTYPE, *STORAGE_DTYPES)]
 KVCacheDTypeName = Literal[KV_CACHE_DTYPES]
 DeviceName = Literal["cpu", "cuda"]
 MAX_SPECULATIVE_STEPS = 4  # MTP draft tokens per decode step: 0 (plain decoding) .. 4

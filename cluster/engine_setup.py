@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import ResolvedCPConfig, check_speculative_steps
@@ -18,6 +18,7 @@ from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.checkpoint.capacity import cache_bytes_per_token
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 from model_workers.kv_format import check_kv_cache_dtype
+from model_workers.precision import resolve_dtype_name
 from model_workers.model.config import load_model_config
 
 
@@ -72,7 +73,7 @@ def effective_max_model_len(model_window: int, options: EngineOptions) -> int:
 def limit_options(model_dir, limits: EngineLimits, dtype: str, kv_cache_dtype: str, num_speculative_steps: int) -> dict:
     """The EngineOptions fields `limits` set, resolved against the model (its window, its KV bytes per token)."""
     config = load_model_config(model_dir)
-    kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_name = resolve_dtype_name(dtype, model_dir) if kv_cache_dtype == "auto" else kv_cache_dtype
     resolved = resolve_limits(limits, config.max_position_embeddings, cache_bytes_per_token(config, kv_name),
                               num_speculative_steps)
     return dict(num_pages=resolved.num_pages, page_size=resolved.page_size, max_model_len=resolved.max_model_len,
@@ -80,10 +81,13 @@ def limit_options(model_dir, limits: EngineLimits, dtype: str, kv_cache_dtype: s
                 max_queued_requests=limits.max_queued_requests)
 
 
-def check_options_for_model(model_dir, cp: ResolvedCPConfig, options: EngineOptions) -> None:
-    """The options against the scheduler's rules and the model (e.g. a KV format it cannot use), before launch."""
+def check_options_for_model(model_dir, cp: ResolvedCPConfig, options: EngineOptions) -> EngineOptions:
+    """The options against the scheduler's rules and the model (e.g. a KV format it cannot use), before launch;
+    returns them with `dtype` "auto" resolved against the checkpoint."""
     scheduler_for(cp, options)
     check_kv_cache_dtype(options.kv_cache_dtype, load_model_config(model_dir).model_type)
+    device = "cuda" if options.use_gpu else "cpu"
+    return replace(options, dtype=resolve_dtype_name(options.dtype, model_dir, device))
 
 
 def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list,
@@ -102,7 +106,7 @@ def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions,
 def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOptions,
                  metrics: ServeMetrics | None = None) -> tuple[GenerationEngine, CPGroup]:
     """Launches the CP group (Ray must be running) and the engine over it; shut down the group when done."""
-    check_options_for_model(model_dir, cp, options)  # bad options fail before any actor starts
+    options = check_options_for_model(model_dir, cp, options)  # bad options fail before any actor starts
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                          threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu,
                          kv_cache_dtype=options.kv_cache_dtype)
@@ -112,7 +116,7 @@ def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOpt
 def start_local_engine(model_dir: str | Path, options: EngineOptions,
                        metrics: ServeMetrics | None = None) -> GenerationEngine:
     """A C = 1 engine in this process (no Ray): the CLI without --cp-size, tests, benchmarks."""
-    check_options_for_model(model_dir, LOCAL_CP, options)
+    options = check_options_for_model(model_dir, LOCAL_CP, options)
     worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size, options.kv_cache_dtype)
     return engine_over_workers(model_dir, LOCAL_CP, options, [worker], metrics)
 

@@ -71,7 +71,7 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
     if group is None:
         raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "
                            "(placement_group_bundles); build the app with cluster.serve_app:app")
-    check_options_for_model(model_dir, cp, options)
+    options = check_options_for_model(model_dir, cp, options)
     workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
                             options.page_size, options.threads_per_worker, bool(options.use_gpu), cp.ep_size,
                             options.kv_cache_dtype)

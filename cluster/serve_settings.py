@@ -47,11 +47,11 @@ class ServeAppArgs(EngineLimits):
     chat_template: str | None = None  # a Jinja chat template file; None: chat_template.jinja / tokenizer_config.json
     served_model_name: list[str] | None = Field(None, min_length=1)  # the `model` names; None: the folder's name
     cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
-    cp_strategy: CPStrategyName = "zigzag"
+    cp_strategy: CPStrategyName = "interleave"  # SGLang's advice for DSA models
     cp_impl: CPImplName = "auto"
     ep_size: int = Field(1, ge=1)  # 1, or cp_size: the routed experts partitioned across the CP group
     speculative_num_steps: int = Field(0, ge=0, le=MAX_SPECULATIVE_STEPS)
-    dtype: DTypeName = "float32"
+    dtype: DTypeName = "auto"  # the checkpoint's (bf16 on CUDA); float32 / bfloat16 force one
     kv_cache_dtype: KVCacheDTypeName = "auto"  # auto: keys in `dtype`; fp8_e4m3: DESIGN.md §10's FP8 layout
     device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"

@@ -9,18 +9,34 @@ checkpoint values, exactly) while the KV cache and its CP gathers stay in the re
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import torch
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the one table of --dtype names
+AUTO_DTYPE = "auto"  # --dtype auto: the checkpoint's own (`resolve_dtype_name`)
+
+
+def resolve_dtype_name(name: str, model_dir: str | Path, device: str = "cpu") -> str:
+    """A --dtype name with `auto` resolved (as vLLM): a float32 checkpoint stays float32 on a CPU and runs in
+    bfloat16 on CUDA; bfloat16, float16 and FP8 checkpoints run in bfloat16."""
+    if name != AUTO_DTYPE:
+        storage_dtype(name)
+        return name
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    stored = config.get("torch_dtype") or config.get("dtype") or "float32"
+    if stored == "float32" and not str(device).startswith("cuda"):
+        return "float32"
+    return "bfloat16"
 
 
 def storage_dtype(name: str) -> torch.dtype:
     """The torch dtype of a --dtype / `dtype` name (weights as stored, KV cache)."""
     if name not in STORAGE_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(STORAGE_DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be one of {[AUTO_DTYPE, *sorted(STORAGE_DTYPES)]}, got {name!r} (auto is resolved"
+                         " against the checkpoint first)")
     return STORAGE_DTYPES[name]
 
 

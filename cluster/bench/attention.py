@@ -32,7 +32,7 @@ def add_parser(kinds) -> None:
     attention = kinds.add_parser("attention", help="one layer's sparse vs dense attention time over L")
     attention.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
     attention.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths L, comma list")
-    add_dtype_argument(attention, default="bfloat16")
+    add_dtype_argument(attention, default="bfloat16", allow_auto=False)
     attention.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     attention.add_argument("--repeats", type=int, default=3, help="timed runs per length (median kept)")
     attention.add_argument("--json", action="store_true", help="print one JSON object")

@@ -30,7 +30,7 @@ def add_parser(kinds) -> None:
     decode.add_argument("--batch-size", default="1,8,32", help="B, or a comma list")
     decode.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     decode.add_argument("--temperature", type=float, default=0.0)
-    add_dtype_argument(decode, default="bfloat16")
+    add_dtype_argument(decode, default="bfloat16", allow_auto=False)
     decode.add_argument("--steps-per-call", type=int, default=4, help="decode steps per worker call")
     decode.add_argument("--ray", action="store_true",
                         help="decode on a Ray worker actor as `serve` does (default: a worker in this process)")

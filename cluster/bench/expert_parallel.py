@@ -35,7 +35,7 @@ def add_parser(kinds) -> None:
     add_speculative_argument(ep, default="0,2", many=True)
     ep.add_argument("--max-tokens", type=int, default=32, help="tokens generated per decode request")
     ep.add_argument("--prompt-len", default="8192,16384", help="prefill prompt lengths, a comma list")
-    add_dtype_argument(ep, default="bfloat16")
+    add_dtype_argument(ep, default="bfloat16", allow_auto=False)
     ep.add_argument("--steps-per-call", type=int, default=4, help="decode steps per worker call")
     ep.add_argument("--repeats", type=int, default=3, help="timed passes per decode batch / prefill length (median)")
     ep.add_argument("--json", action="store_true", help="print one JSON object")

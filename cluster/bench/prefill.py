@@ -45,7 +45,7 @@ def add_parser(kinds) -> None:
     prefill.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
     add_cp_arguments(prefill, required=True)
     prefill.add_argument("--prompt-len", default=DEFAULT_LENGTHS, help="tokens per prompt, or a comma list")
-    add_dtype_argument(prefill, default="bfloat16")
+    add_dtype_argument(prefill, default="bfloat16", allow_auto=False)
     add_kv_cache_dtype_argument(prefill)
     prefill.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     prefill.add_argument("--repeats", type=int, default=1, help="timed prefills per length (median kept)")

@@ -8,14 +8,18 @@ from typing import get_args
 import torch
 
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
+from cluster.commands.aliases import add_speculative_aliases
 from cluster.engine_limits import add_limit_arguments
 from cluster.serve_settings import EnginePlacement
 
 
 def add_cp_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
-    parser.add_argument("--cp-size", type=int, required=required, default=None,
+    parser.add_argument("--cp-size", "--attn-cp-size", dest="cp_size", type=int, required=required, default=None,
                         help="context-parallel ranks (one Ray actor each); runs through Ray when given")
-    parser.add_argument("--cp-strategy", choices=get_args(CPStrategyName), default="zigzag")
+    parser.add_argument("--enable-prefill-cp", action="store_true",
+                        help="SGLang's flag: accepted; prefill CP is on whenever --cp-size > 1")
+    parser.add_argument("--cp-strategy", choices=get_args(CPStrategyName), default="interleave",
+                        help="interleave (default, as SGLang advises for DSA models) or zigzag")
     parser.add_argument("--cp-impl", choices=get_args(CPImplName), default="auto")
     parser.add_argument("--ep-size", type=int, default=1,
                         help="expert parallelism: 1 (every rank holds every expert) or the cp size (each rank"
@@ -23,9 +27,12 @@ def add_cp_arguments(parser: argparse.ArgumentParser, required: bool = False) ->
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
 
 
-def add_dtype_argument(parser: argparse.ArgumentParser, default: str) -> None:
-    parser.add_argument("--dtype", choices=get_args(DTypeName), default=default,
-                        help="weights and KV cache as stored (bfloat16 computes in float32 on CPUs without bf16)")
+def add_dtype_argument(parser: argparse.ArgumentParser, default: str, allow_auto: bool = True) -> None:
+    """--dtype; `allow_auto=False` for benchmarks, which name the precision they measure."""
+    choices = [name for name in get_args(DTypeName) if allow_auto or name != "auto"]
+    parser.add_argument("--dtype", choices=choices, default=default,
+                        help="weights and KV cache as stored: auto = the checkpoint's (bf16 on CUDA); bfloat16"
+                             " computes in float32 on CPUs without bf16")
 
 
 def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
@@ -39,10 +46,13 @@ def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def add_speculative_argument(parser: argparse.ArgumentParser, default: int | str = 0, many: bool = False) -> None:
-    """--speculative-num-steps: one k (`many=False`) or a comma list of k (a benchmark sweep)."""
+    """--speculative-num-steps: one k (`many=False`, with SGLang's and vLLM's spellings of it, resolved by
+    `aliases.resolve_speculation`) or a comma list of k (a benchmark sweep)."""
     what = "a comma list of k" if many else "k"
-    parser.add_argument("--speculative-num-steps", type=str if many else int, default=default,
+    parser.add_argument("--speculative-num-steps", type=str if many else int, default=default if many else None,
                         help=f"MTP draft tokens per step ({what}, 0..{MAX_SPECULATIVE_STEPS}; 0 = plain decoding)")
+    if not many:
+        add_speculative_aliases(parser)
 
 
 def add_placement_argument(parser: argparse.ArgumentParser) -> None:

@@ -47,7 +47,7 @@ def add_parser(commands) -> None:
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
     add_sampling_arguments(parser)
     parser.add_argument("--n-requests", type=int, default=1, help="requests run concurrently (one JSON line each)")
-    add_dtype_argument(parser, default="float32")
+    add_dtype_argument(parser, default="auto")
     add_kv_cache_dtype_argument(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")

@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 
+from cluster.commands.aliases import resolve_speculation
 from cluster.commands.args import add_server_arguments
 from cluster.engine_limits import limits_from
 from cluster.serve_settings import API_KEY_ENV
@@ -19,7 +20,7 @@ from cluster.serve_settings import API_KEY_ENV
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("serve", help="serve the OpenAI-style HTTP API on Ray Serve")
-    add_server_arguments(parser, dtype_default="float32")
+    add_server_arguments(parser, dtype_default="auto")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help=f"require this Bearer key on /v1 (default: env {API_KEY_ENV})")
@@ -37,8 +38,10 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def app_args(args: argparse.Namespace):
+    """ServeAppArgs from the flags (SGLang / vLLM spellings resolved first)."""
     from cluster.serve_app import validate_args
 
+    resolve_speculation(args)
     names = ("model", "chat_template", "served_model_name", "cp_size", "cp_strategy", "cp_impl", "ep_size",
              "speculative_num_steps", "dtype", "kv_cache_dtype", "device", "engine_placement")
     fields = {name: getattr(args, name) for name in names}

@@ -1,0 +1,66 @@
+"""Command lines pasted from SGLang and vLLM start the same server configuration as ours; what we do not
+support is one clear line; --config FILE.yaml takes flag names as keys; --dtype auto follows the checkpoint."""
+
+import json
+
+import pytest
+
+from cluster import cli
+from cluster.commands.serve import app_args
+from model_workers.checkpoint.model_dir import resolve_model_dir
+from model_workers.precision import resolve_dtype_name
+
+SGLANG = ["serve", "--attn-cp-size", "4", "--enable-prefill-cp", "--cp-strategy", "interleave",
+          "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+          "--speculative-num-draft-tokens", "2"]
+VLLM = ["serve", "--cp-size", "4", "--speculative-config", '{"method":"mtp","num_speculative_tokens":1}']
+OURS = ["serve", "--cp-size", "4", "--speculative-num-steps", "1"]
+
+
+def settings(argv: list[str]):
+    return app_args(cli.build_parser().parse_args(argv))
+
+
+def test_sglang_and_vllm_command_lines_give_our_configuration():
+    ours = settings(OURS)
+    assert settings(SGLANG) == ours == settings(VLLM)
+    assert (ours.cp_size, ours.cp_strategy, ours.speculative_num_steps, ours.dtype) == (4, "interleave", 1, "auto")
+    assert settings(["serve", "--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "3"]
+                    ).speculative_num_steps == 2
+    assert settings(["serve"]).speculative_num_steps == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2", "--speculative-eagle-topk", "4"],
+     "--speculative-eagle-topk 4 is not supported; allowed: 1"),
+    (["--speculative-algorithm", "LOOKAHEAD", "--speculative-num-steps", "2"],
+     "--speculative-algorithm LOOKAHEAD is not supported; allowed: EAGLE, NEXTN, MTP"),
+    (["--speculative-num-steps", "2", "--speculative-num-draft-tokens", "2"], "the speculative draft counts disagree"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "method 'ngram' is not supported"),
+    (["--speculative-config", '{"method": "eagle", "model": "x/y", "num_speculative_tokens": 2}'],
+     "model not supported; allowed keys: method, num_speculative_tokens"),
+    (["--speculative-algorithm", "MTP"], "needs a draft count"),
+])
+def test_what_we_do_not_support_is_one_line_and_exit_2(capsys, argv, message):
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsa-serve serve: error: ") and message in err and err.count("\n") == 1
+
+
+def test_config_file_takes_flag_names_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("cp_size: 3\nmax_model_len: 4000\nserved_model_name: [a, b]\nenable_prefill_cp: true\n"
+                      "speculative_config: {method: mtp, num_speculative_tokens: 2}\n")
+    argv = cli.expand_config_file(["serve", "--config", str(config), "--cp-size", "2"])
+    got = settings(argv)
+    assert (got.cp_size, got.max_model_len, got.served_model_name, got.speculative_num_steps) == (2, 4000, ["a", "b"],
+                                                                                                 2)
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def test_dtype_auto_is_the_checkpoints_dtype_and_bf16_on_cuda(tmp_path):
+    assert resolve_dtype_name("auto", resolve_model_dir(None)) == "bfloat16"  # the shipped model is stored in bf16
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert resolve_dtype_name("auto", tmp_path) == "float32"
+    assert resolve_dtype_name("auto", tmp_path, "cuda") == "bfloat16"
+    assert resolve_dtype_name("float32", tmp_path, "cuda") == "float32"  # an explicit choice wins
