@@ -76,6 +76,9 @@ class ModelConfig:
         return self.model_type == "glm_moe_dsa"
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
 def load_model_config(model_dir: str | Path):
     """The folder's config.json as a `ModelConfig` (DeepSeek-V3.2, GLM-5) or a `V4Config` (DeepSeek-V4)."""
     path = Path(model_dir) / "config.json"
@@ -85,7 +88,20 @@ def load_model_config(model_dir: str | Path):
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path}: invalid JSON ({exc})") from exc
-    return parse_model_config(raw)
+    return parse_model_config(with_generation_eos(raw, Path(model_dir) / GENERATION_CONFIG))
+
+
+def with_generation_eos(raw: dict[str, Any], generation_path: Path) -> dict[str, Any]:
+    """config.json's `eos_token_id` joined by generation_config.json's (checkpoints often list extra stop ids
+    there, e.g. an end-of-turn token), in order, without repeats."""
+    if not generation_path.is_file():
+        return raw
+    try:
+        extra = eos_ids(json.loads(generation_path.read_text()).get("eos_token_id"))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
+        raise ModelConfigError(f"{generation_path}: unreadable eos_token_id ({exc})") from exc
+    merged = list(dict.fromkeys(eos_ids(raw.get("eos_token_id")) + extra))
+    return {**raw, "eos_token_id": merged} if merged else raw
 
 
 def parse_model_config(raw: dict[str, Any]):

@@ -106,3 +106,18 @@ def test_malformed_checkpoints_fail_with_one_line(checkpoint_copy, case, message
     cli = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", str(checkpoint_copy),
                           "--prompt-ids", "1,2"], capture_output=True, text=True)
     assert cli.returncode == 2 and message in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_generation_config_eos_ids_join_the_models(tmp_path):
+    import json as json_module
+
+    from model_workers.model.config import ModelConfigError, load_model_config
+    from support.tiny_models import BASE
+
+    (tmp_path / "config.json").write_text(json_module.dumps({**BASE, "model_type": "deepseek_v32", "eos_token_id": 1}))
+    assert load_model_config(tmp_path).eos_token_ids == (1,)
+    (tmp_path / "generation_config.json").write_text(json_module.dumps({"eos_token_id": [1, 7], "temperature": 0.6}))
+    assert load_model_config(tmp_path).eos_token_ids == (1, 7)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="generation_config.json: unreadable eos_token_id"):
+        load_model_config(tmp_path)
