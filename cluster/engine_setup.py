@@ -18,8 +18,8 @@ from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.checkpoint.capacity import cache_bytes_per_token
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 from model_workers.kv_format import check_kv_cache_dtype
-from model_workers.precision import resolve_dtype_name
 from model_workers.model.config import load_model_config
+from model_workers.precision import resolve_dtype_name
 
 
 @dataclass(frozen=True)

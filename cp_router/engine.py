@@ -4,9 +4,10 @@
 its chunks; `abort` forgets it and frees its pages at once (the ranks drop its state at the next step, which
 runs at once). The loop runs one lockstep step at a time: `Scheduler.schedule` -> one `StepPlan` per rank ->
 `step.remote(plan)` on every rank concurrently (Ray actor handles, or an in-process worker with the same
-methods) -> `Scheduler.apply` -> chunks to the request streams. A request ends where its owner rank says it
-does (`RequestOutput.finish_reason`), or earlier at a stop string. Step observers (`add_step_observer`) see
-every step's plans and results: benchmarks and tests read per-rank timings, logits and page tables there.
+methods) -> `Scheduler.apply` -> chunks to the request streams (a request's prompt logprobs once, on its first
+chunk). A request ends where its owner rank says it does (`RequestOutput.finish_reason`), or earlier at a stop
+string. Step observers (`add_step_observer`) see every step's plans and results: benchmarks and tests read
+per-rank timings, logits and page tables there.
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ class GenerationEngine:
         outputs = {rid: out for result in results for rid, out in result.outputs.items()}
         for request_id, tokens in self.scheduler.apply(step, outputs).items():
             reason, stream = outputs[request_id].finish_reason, self.streams.get(request_id)
+            prompt_logprobs = self.scheduler.take_prompt_logprobs(request_id)
             if stream is not None:
-                reason = stream.push(tokens, outputs[request_id].logprobs, reason)
+                reason = stream.push(tokens, outputs[request_id].logprobs, reason, prompt_logprobs)
             if reason is not None:
                 self.scheduler.finish(request_id)
                 self.streams.pop(request_id, None)

@@ -28,6 +28,7 @@ class PrefillRequest:
     final_chunk: bool = True  # False: more prompt chunks follow
     num_generated: int = 0  # prompt tail that is output recomputed after preemption (RNG index, min_tokens)
     context_ids: tuple[int, ...] = ()  # final chunk of a request with penalties: its whole context (prompt + outputs)
+    prompt_logprobs: int | None = None  # k >= 0: the owner scores the chunk's prompt tokens (None: off / recompute)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class RequestOutput:
     draft_logits: torch.Tensor | None = None  # [vocab] float32, when the plan asked for them
     mtp_topk_positions: torch.Tensor | None = None  # [L_extend, k] int64 key positions, -1 padded (index sharing)
     token_ids: list[int] = field(default_factory=list)  # every token emitted this call, `token_id` last
-    logprobs: list[tuple] = field(default_factory=list)  # per emitted token (id, logprob, ((id, logprob), ...))
+    logprobs: list[tuple] = field(default_factory=list)  # per emitted token (id, logprob, ((id, logprob), ...), rank)
+    prompt_logprobs: list[tuple] = field(default_factory=list)  # per chunk row predicting a prompt token: as above
     finish_reason: FinishReason | None = None  # decided by the rank that sampled (`SamplingParams.finish_reason`)
     drafted: int = 0  # draft tokens proposed this call
     accepted_per_position: list[int] = field(default_factory=list)  # [k] accepted drafts at draft position j

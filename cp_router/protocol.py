@@ -3,7 +3,8 @@
 The ingress validates and tokenizes every request before it builds an `EngineRequest`, so an engine may
 assume: `prompt_token_ids` is non-empty and inside the vocabulary, `len(prompt) + max_tokens <=
 max_model_len`, `0 <= min_tokens <= max_tokens`, `top_k` is 0 (off) or in 1..vocab_size-1, `top_p` in (0, 1],
-`temperature` in [0, 2] (0 = greedy). Records are frozen dataclasses: they pickle across Ray processes.
+`temperature` in [0, 2] (0 = greedy), `logprobs` and `prompt_logprobs` None or in 0..vocab_size. Records are
+frozen dataclasses: they pickle across Ray processes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class EngineRequest:
     ignore_eos: bool = False  # keep generating past the model's EOS token(s)
     seed: int | None = None  # same seed + same request -> same tokens, whatever else is batched with it
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob + k top alternatives
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + k top alternatives
     repetition_penalty: float = 1.0  # the options of model_workers/logits_processing.py (vLLM's semantics)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -41,11 +43,13 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability of one generated token, with the most likely alternatives (most likely first)."""
+    """Log-probability of one token (generated, or of the prompt), with the most likely alternatives (most likely
+    first)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), at most EngineRequest.logprobs entries
+    rank: int | None = None  # 1-based rank of token_id among all tokens (1 + how many are likelier)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class EngineChunk:
     `token_ids` are the new tokens (several per step under speculative decoding, possibly none on the final
     chunk), `text` the newly detokenized text ("" when the checkpoint has no tokenizer or the bytes of a
     character are incomplete), `logprobs` one entry per new token when the request asked for them.
-    The counts are cumulative. Exactly the last chunk of a stream has a `finish_reason`.
+    `prompt_logprobs`, on the first chunk only of a request that asked for them: one entry per prompt token, None
+    for the first (nothing predicts it). The counts are cumulative. Exactly the last chunk has a `finish_reason`.
     """
 
     token_ids: tuple[int, ...]
@@ -64,6 +69,7 @@ class EngineChunk:
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

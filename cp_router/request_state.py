@@ -1,4 +1,5 @@
-"""Engine-side state of one request: its tokens, where its KV pages are, and how far its prefill got."""
+"""Engine-side state of one request: its tokens, where its KV pages are, how far its prefill got, and the prompt
+logprobs its prefill chunks have scored so far."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class RequestState:
     drafted: int = 0
     accepted: int = 0
     num_preemptions: int = 0
+    # Scored prompt logprobs (id, logprob, top, rank) per prompt position 1.. so far; None: not asked, or delivered.
+    prompt_logprobs: list[tuple] | None = None
 
     def context_ids(self) -> list[int]:
         """What prefill runs over: the prompt, plus earlier output when recomputing after a preemption."""
@@ -37,3 +40,9 @@ class RequestState:
         self.status, self.owner, self.num_cached, self.pages = WAITING, None, 0, {}
         self.num_generated_at_prefill = len(self.output_ids)
         self.num_preemptions += 1
+        if self.prompt_logprobs is not None:  # not delivered yet: the new prefill scores the prompt again
+            self.prompt_logprobs = []
+
+    def wants_prompt_logprobs(self) -> int | None:
+        """k for the next prefill chunk's prompt logprobs: None when not asked for or already delivered."""
+        return self.sampling.prompt_logprobs if self.prompt_logprobs is not None else None

@@ -1,4 +1,5 @@
-"""One request's stream on the engine side: new tokens in, `EngineChunk`s out (text, stop strings, logprobs)."""
+"""One request's stream on the engine side: new tokens in, `EngineChunk`s out (text, stop strings, logprobs, and
+prompt logprobs on the first chunk)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ def sampling_of(request: EngineRequest) -> SamplingParams:
         min_tokens=request.min_tokens, max_tokens=request.max_tokens, stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos, logprobs=request.logprobs, repetition_penalty=request.repetition_penalty,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, min_p=request.min_p,
-        logit_bias=tuple(request.logit_bias),
+        logit_bias=tuple(request.logit_bias), prompt_logprobs=request.prompt_logprobs,
     )
+
+
+def token_logprob_of(entry: tuple) -> TokenLogprob:
+    """A rank's (id, logprob, ((id, logprob), ...), rank) tuple as a `TokenLogprob`."""
+    token_id, logprob, top, rank = entry
+    return TokenLogprob(token_id, logprob, tuple(top), rank)
 
 
 class RequestStream:
@@ -33,8 +40,10 @@ class RequestStream:
         self.completion_tokens = 0
         self.finished = False
 
-    def push(self, token_ids: list[int], logprobs: list[tuple], finish_reason: str | None) -> str | None:
-        """Queues one chunk; returns the finish reason (stop strings can end a request early)."""
+    def push(self, token_ids: list[int], logprobs: list[tuple], finish_reason: str | None,
+             prompt_logprobs: list[tuple] | None = None) -> str | None:
+        """Queues one chunk; returns the finish reason (stop strings can end a request early). `logprobs` and
+        `prompt_logprobs` (prompt positions 1.., given once) are the ranks' (id, logprob, top, rank) tuples."""
         kept: list[int] = []
         for token in token_ids:
             kept.append(token)
@@ -45,10 +54,11 @@ class RequestStream:
         self.completion_tokens += len(kept)
         chunk_logprobs = None
         if self.request.logprobs is not None:
-            chunk_logprobs = tuple(TokenLogprob(t, lp, tuple(top)) for t, lp, top in logprobs[: len(kept)])
+            chunk_logprobs = tuple(token_logprob_of(entry) for entry in logprobs[: len(kept)])
+        prompt = None if prompt_logprobs is None else (None, *(token_logprob_of(entry) for entry in prompt_logprobs))
         self.queue.put_nowait(EngineChunk(
             tuple(kept), self.text.release(final=finish_reason is not None), finish_reason,
-            len(self.request.prompt_token_ids), self.completion_tokens, chunk_logprobs,
+            len(self.request.prompt_token_ids), self.completion_tokens, chunk_logprobs, prompt,
         ))
         self.finished = finish_reason is not None
         return finish_reason

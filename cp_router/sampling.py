@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k top alternatives
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob + k top (the scheduler's)
     repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and output tokens)
     presence_penalty: float = 0.0  # output tokens: logit -= presence * (count > 0)
     frequency_penalty: float = 0.0  # output tokens: logit -= frequency * count
@@ -39,6 +40,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "None or >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "None or >= 0"),
             ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),

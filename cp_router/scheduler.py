@@ -12,6 +12,10 @@ The scheduler owns the KV pages, one `PageAllocator` per rank (as nano-vllm's bl
 request's pages before the step that writes them, trims them after it (speculative rollback), frees the
 non-owner ranks' pages after the final prefill chunk and all of them when the request ends. Plans carry the
 page tables; ranks never allocate.
+
+Prompt logprobs: the owner scores every chunk of a request that asked; the scheduler appends them in chunk order
+and hands them over once, when the prefill completes (`take_prompt_logprobs`). A recompute after a preemption
+scores them only if they were not delivered yet (the prefill was preempted before its final chunk).
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) needs"
                 f" {pages_for(worst, cfg.page_size)} KV pages; a rank has {cfg.num_pages}"
             )
-        self.requests[request_id] = RequestState(request_id, list(prompt_ids), sampling, self._arrivals)
+        self.requests[request_id] = RequestState(request_id, list(prompt_ids), sampling, self._arrivals,
+                                                 prompt_logprobs=None if sampling.prompt_logprobs is None else [])
         self._arrivals += 1
         self.waiting.append(request_id)
 
@@ -200,6 +205,14 @@ class Scheduler:
             self.allocators[seq.owner].trim(seq.pages[seq.owner], seq.num_cached, self.config.page_size)
             new_tokens[request_id] = list(out.token_ids)
         return new_tokens
+
+    def take_prompt_logprobs(self, request_id: str) -> list[tuple] | None:
+        """Once, after a request's prefill completed: its prompt logprobs (position 1 on) when it asked for them."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status != DECODING or seq.prompt_logprobs is None:
+            return None
+        taken, seq.prompt_logprobs = seq.prompt_logprobs, None
+        return taken
 
 
 __all__ = ["Scheduler", "SchedulerConfig", "ScheduledStep", "WAITING", "PREFILLING", "DECODING"]

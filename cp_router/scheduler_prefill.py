@@ -30,11 +30,15 @@ class PrefillBatch:
     owners: tuple[int, ...]  # per piece
 
     def apply(self, scheduler, outputs: dict, new_tokens: dict[str, list[int]]) -> None:
+        """Folds the owners' outputs of every piece: cached tokens, scored prompt logprobs (every chunk, in
+        order), and on a final piece the first output token (into `new_tokens`) and the non-owners' pages freed."""
         for piece, owner in zip(self.pieces, self.owners):
             seq: RequestState | None = scheduler.requests.get(piece.request_id)
             if seq is None:
                 continue  # aborted while the step ran: its pages are already free
             seq.num_cached = piece.prefix_len + piece.extend_len
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs += outputs[piece.request_id].prompt_logprobs
             if piece.final:  # only the owner keeps the KV from here on
                 for cp_rank in [r for r in seq.pages if r != owner]:
                     scheduler.allocators[cp_rank].free(seq.pages.pop(cp_rank))
@@ -69,7 +73,8 @@ def plan_prefill_batch(scheduler) -> PrefillBatch | None:
         chunked = chunk < remaining or seq.num_cached > 0
         if chunk < 1 or (chunked and chunk < align):
             break
-        grow = [pages_for(seq.num_cached + chunk, cfg.page_size) - len(seq.pages.get(r, [])) for r in range(cfg.cp_size)]
+        grow = [pages_for(seq.num_cached + chunk, cfg.page_size) - len(seq.pages.get(r, []))
+                for r in range(cfg.cp_size)]
         if any(grow[r] > free[r] for r in range(cfg.cp_size)):  # as if every rank held it: CP is decided below
             break
         free = [f - g for f, g in zip(free, grow)]
@@ -111,7 +116,7 @@ def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShar
         end = piece.prefix_len + piece.extend_len
         history = tuple(context) if piece.final and seq.sampling.needs_history else ()
         requests.append(PrefillRequest(seq.request_id, owner, seq.sampling, piece.final, seq.num_generated_at_prefill,
-                                       history))
+                                       history, seq.wants_prompt_logprobs()))
         chunks.append(context[piece.prefix_len : end])
         next_after.append(None if piece.final else context[end])
     lens, prefixes = [p.extend_len for p in batch.pieces], [p.prefix_len for p in batch.pieces]
@@ -120,7 +125,8 @@ def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShar
     else:
         meta = build_cp_metadata(lens, prefixes, 1, STRATEGY_INTERLEAVE, IMPL_LEGACY)
     shards = {}
-    for shard_index, (cp_rank, (ids_local, next_local)) in enumerate(zip(batch.ranks, shard_tokens(chunks, meta, next_after))):
+    sharded = shard_tokens(chunks, meta, next_after)
+    for shard_index, (cp_rank, (ids_local, next_local)) in enumerate(zip(batch.ranks, sharded)):
         tables = tuple(tuple(scheduler.requests[p.request_id].pages[cp_rank]) for p in batch.pieces)
         shards[cp_rank] = PrefillShard(tuple(requests), meta.rank_view(shard_index), ids_local, next_local, tables)
     return shards
@@ -138,5 +144,6 @@ def shard_tokens(chunks: list[list[int]], meta: CPMetadata,
     out = []
     for shard_index in range(meta.cp_size):
         num_local = meta.per_rank_logical_token[shard_index]
-        out.append((shard(meta, ids_global, shard_index)[:num_local], shard(meta, next_global, shard_index)[:num_local]))
+        out.append((shard(meta, ids_global, shard_index)[:num_local],
+                    shard(meta, next_global, shard_index)[:num_local]))
     return out

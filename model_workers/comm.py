@@ -5,7 +5,7 @@ rank (`reduce_scatter_rows`, which `bench ep-exchange` measures against the all-
 blocks (`all_to_all_rows`) and small integer lists (`all_gather_ints`), and keeps counters of what the
 collectives cost: bytes received from other ranks and seconds spent, per tag ("kv" for the per-layer latent /
 indexer-key gathers, "hidden" for the gathers before logits and MTP, "experts" for the expert-parallel
-exchanges, "rows" for the lockstep row counts).
+exchanges, "rows" for the lockstep row counts, "ids" for the token ids prompt logprobs are scored against).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""One rank's part of a CP prefill batch (DESIGN.md 6.2-6.4): target forward, gather, logits, MTP draft.
+"""One rank's part of a CP prefill batch (DESIGN.md 6.2-6.4): target forward, gather, logits, prompt logprobs,
+MTP draft.
 
-Every rank runs the same sequence of collectives (one per layer, one per hidden-state gather), so the
-sizes match on all ranks by construction. With `meta.cp_size == 1` and a `LocalComm` the same code is
-the non-CP path (one rank, no collectives, no padding).
+Every rank runs the same sequence of collectives (one per layer, one per hidden-state gather, one gather of the
+next-token ids when a request of the batch asks for prompt logprobs), so the sizes match on all ranks by
+construction. With `meta.cp_size == 1` and a `LocalComm` the same code is the non-CP path (one rank, no
+collectives, no padding). Only the owner of a request reports it (and scores its prompt).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from model_workers.comm import LocalComm
 from model_workers.kv_cache import PageTable
 from model_workers.logits_processing import TokenHistory
 from model_workers.model.decoder import DSAForCausalLM
-from model_workers.sampler import sample, token_logprob
+from model_workers.sampler import sample, token_logprob, token_logprobs
 from model_workers.v4_cache import V4Cache
+
+PROMPT_LOGPROB_ROWS = 256  # prompt logprobs are scored this many rows at a time: logits [256, vocab] at most
 
 
 @dataclass
@@ -116,9 +120,31 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -
             if req.sampling.logprobs is not None:
                 out.logprobs = [token_logprob(logits[s], token, req.sampling.logprobs)]
             outputs[req.request_id] = out
+    score_prompt(ctx, shard, hidden_global, outputs)
     if model.num_mtp_layers > 0:
         run_mtp_prefill(ctx, shard, batch, hidden_local, sampled, outputs, return_logits)
     return outputs
+
+
+def score_prompt(ctx: PrefillContext, shard: PrefillShard, hidden_global: torch.Tensor,
+                 outputs: dict[str, RequestOutput]) -> None:
+    """Prompt logprobs of the owned requests that asked: row i of a chunk scores the token after it (the next
+    chunk's first one at a non-final chunk's last row; a final chunk's last row predicts the sampled token and
+    is no prompt logprob). hidden_global [N, D] in global stream order, equal on every rank."""
+    meta = shard.meta
+    if all(req.prompt_logprobs is None for req in shard.requests):
+        return  # the same answer on every rank: the gather below runs on all of them or on none
+    next_local = shard.next_ids_local.to(ctx.device)  # [T_logical] t_{i+1}, NEXT_ID_SAMPLED where sampled
+    next_global = gather_rows_global(ctx.comm, meta, next_local, "ids", fill_value=NEXT_ID_SAMPLED)  # [N]
+    for s, req in enumerate(shard.requests):
+        out = outputs.get(req.request_id)
+        if req.prompt_logprobs is None or out is None:
+            continue  # not asked for, or owned by another rank
+        start, end = meta.stream_offsets[s], meta.stream_offsets[s + 1] - (1 if req.final_chunk else 0)
+        for block in range(start, end, PROMPT_LOGPROB_ROWS):
+            rows = slice(block, min(block + PROMPT_LOGPROB_ROWS, end))
+            logits = ctx.model.logits(hidden_global[rows])  # [r, vocab] float32
+            out.prompt_logprobs += token_logprobs(logits, next_global[rows], req.prompt_logprobs)
 
 
 def run_mtp_prefill(

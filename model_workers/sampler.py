@@ -135,10 +135,20 @@ def verify(
     return k, tokens + [sample(target_logits[k], params, eos_ids, index + k, argmax[k], last_history)]
 
 
-def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> tuple[int, float, tuple]:
-    """(token, its logprob under the model, the num_top most likely (id, logprob)) from raw logits [V]."""
-    logprobs = logits.float().log_softmax(-1)  # [V]
-    top = logprobs.topk(num_top) if num_top > 0 else None
-    alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
-    value = float(logprobs[token])
-    return token, (value if math.isfinite(value) else -1e30), alternatives
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[tuple[int, float, tuple, int]]:
+    """Per row of raw logits [R, V] and its token (tokens [R] int64): (token, its logprob under the model, the
+    num_top most likely (id, logprob), the token's 1-based rank among all V tokens: 1 + how many are likelier)."""
+    logprobs = logits.float().log_softmax(-1)  # [R, V]
+    chosen = logprobs.gather(-1, tokens.to(logprobs.device).long()[:, None])  # [R, 1]
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()  # [R]
+    top = logprobs.topk(num_top, -1) if num_top > 0 else None
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(ranks)  # [R, num_top]
+    top_values = top.values.tolist() if top is not None else [[]] * len(ranks)  # [R, num_top]
+    return [(token, value if math.isfinite(value) else -1e30, tuple(zip(ids, values)), rank)
+            for token, value, rank, ids, values in zip(tokens.tolist(), chosen[:, 0].tolist(), ranks, top_ids,
+                                                       top_values)]
+
+
+def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> tuple[int, float, tuple, int]:
+    """`token_logprobs` of one row: raw logits [V] and its token."""
+    return token_logprobs(logits[None], torch.tensor([token]), num_top)[0]

@@ -7,8 +7,8 @@ from typing import get_args
 
 import torch
 
-from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 from cluster.commands.aliases import add_speculative_aliases
+from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 from cluster.engine_limits import add_limit_arguments
 from cluster.serve_settings import EnginePlacement
 

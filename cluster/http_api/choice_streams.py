@@ -47,8 +47,9 @@ def plan_choices(request_id: str, prompts: list[EncodedPrompt], max_tokens: list
                 max_tokens=max_tokens[prompt_index], temperature=body.temperature, top_p=body.top_p,
                 top_k=limits.engine_top_k(body.top_k), min_tokens=body.min_tokens,
                 stop_token_ids=tuple(body.stop_token_ids), stop=tuple(body.stop), ignore_eos=body.ignore_eos,
-                seed=seed, logprobs=logprobs, repetition_penalty=body.repetition_penalty,
-                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, min_p=body.min_p,
+                seed=seed, logprobs=logprobs, prompt_logprobs=body.engine_prompt_logprobs,
+                repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, min_p=body.min_p,
                 logit_bias=bias, skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output)
             planned.append(PlannedChoice(index, prompt, request))

@@ -38,9 +38,10 @@ class Generation:
     formatter: ResponseFormatter
     prompt_tokens: int  # each prompt counted once, whatever n is
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: k top alternatives (None: not asked for)
 
     def new_states(self) -> dict[int, ChoiceState]:
-        return {choice.index: ChoiceState(choice, self.echo) for choice in self.choices}
+        return {choice.index: ChoiceState(choice, self.echo, self.prompt_logprobs) for choice in self.choices}
 
     def usage(self, states: dict[int, ChoiceState]) -> UsageInfo:
         return UsageInfo.of(self.prompt_tokens, sum(state.completion_tokens for state in states.values()))

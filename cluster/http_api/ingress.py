@@ -70,7 +70,8 @@ class Ingress:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         choices = plan_choices(request_id, prompts, max_tokens, body, body.logprobs, self.limits)
         return Generation(request_id, choices, CompletionFormatter(request_id, self.check_model(body.model)),
-                          sum(len(prompt.token_ids) for prompt in prompts), echo=body.echo)
+                          sum(len(prompt.token_ids) for prompt in prompts), echo=body.echo,
+                          prompt_logprobs=body.prompt_logprobs)
 
     def plan_chat(self, body: ChatCompletionRequest) -> Generation:
         prompt = self.encoder.encode_chat(body.messages, self.limits)
@@ -79,7 +80,7 @@ class Ingress:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits)
         return Generation(request_id, choices, ChatFormatter(request_id, self.check_model(body.model)),
-                          len(prompt.token_ids))
+                          len(prompt.token_ids), prompt_logprobs=body.prompt_logprobs)
 
     async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:
         request.state.request_id = generation.request_id

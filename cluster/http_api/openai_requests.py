@@ -1,10 +1,11 @@
 """OpenAI-compatible request models (`POST /v1/completions`, `POST /v1/chat/completions`) and their limits.
 
-Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 1], n in 1..16, logprobs
-0..20 (vLLM's limit), at most 4 stop strings, presence / frequency penalties in [-2, 2], logit_bias in [-100, 100]. Extensions
-(vLLM-style): top_k (0 or -1 = off), min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids. An
-explicit JSON null means "the default". Fields this server knows but does not implement yet are accepted only at their no-op value (e.g. best_of 1, suffix "") and rejected
-otherwise; unknown fields are ignored, as vLLM does, and named in one log line per request (body.py).
+Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 1], n in 1..16, logprobs 0..20
+(vLLM's limit; with echo the prompt tokens come first), at most 4 stop strings, presence / frequency penalties in
+[-2, 2], logit_bias in [-100, 100]. Extensions (vLLM-style): top_k (0 or -1 = off), min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, prompt_logprobs 0..20. An explicit JSON null means "the default". Fields
+this server knows but does not implement yet are accepted only at their no-op value (e.g. best_of 1, suffix "") and
+rejected otherwise; unknown fields are ignored, as vLLM does, and named in one log line per request (body.py).
 Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`.
 """
 
@@ -113,6 +114,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + k top
 
     @model_validator(mode="before")
     @classmethod
@@ -155,6 +157,11 @@ class SamplingRequest(BaseModel):
         return value
 
     @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top alternatives the engine scores prompt tokens with (None: prompt logprobs are not computed)."""
+        return self.prompt_logprobs
+
+    @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -180,12 +187,11 @@ class CompletionRequest(SamplingRequest):
             raise ValueError(f"{count} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("cannot be combined with logprobs (prompt logprobs are not computed)")
-        return value
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """`prompt_logprobs`, and echo with logprobs (the prompt tokens' logprobs come first): the larger k."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each a string or a list of token ids."""

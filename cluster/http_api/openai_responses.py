@@ -2,7 +2,8 @@
 
 Streamed completion chunks use the same `text_completion` object as whole responses (as OpenAI does); chat
 chunks are `chat.completion.chunk` objects carrying a `delta`. `usage` is present in a stream only when
-`stream_options.include_usage` is set: null on every chunk, then one final chunk with empty choices.
+`stream_options.include_usage` is set: null on every chunk, then one final chunk with empty choices. A choice
+carries vLLM's `prompt_logprobs` only when the request asked for them (in a stream: on its first chunk).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from importlib import metadata
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 OpenAIFinishReason = Literal["stop", "length"]
 SSE_DONE = "data: [DONE]\n\n"
@@ -49,7 +50,31 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """vLLM's entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1-based rank among all tokens
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token: token id -> entry; None for the first
+
+
+class WithPromptLogprobs(BaseModel):
+    """A choice with vLLM's `prompt_logprobs`: the prompt token and its top alternatives at every position. The
+    key is left out of the JSON when the request did not ask for them (or, in a stream, after the first chunk)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_last_or_absent(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        prompt_logprobs = data.pop("prompt_logprobs", None)
+        return data if prompt_logprobs is None else {**data, "prompt_logprobs": prompt_logprobs}
+
+
+class CompletionChoice(WithPromptLogprobs):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -94,7 +119,9 @@ class ChatChoice(BaseModel):
     finish_reason: OpenAIFinishReason | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(WithPromptLogprobs):
+    """A whole chat completion; vLLM's `prompt_logprobs` sit at the top level (the choices share the prompt)."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -116,7 +143,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: OpenAIFinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(WithPromptLogprobs):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))

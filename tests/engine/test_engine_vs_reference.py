@@ -1,8 +1,9 @@
 """The served engine against the `transformers` reference and against itself across CP sizes, on a real C = 2
 group (local Ray + gloo): greedy tokens under CP v2 with chunked prefill (a prefix > 0) and speculation, for
 both strategies and both DSA families, and for DeepSeek-V4 (interleave, MTP k = 0 / 3, and k = 2 under EP = 2);
-logprob values against the reference's log-softmax at k = 0 / 2 and C = 1 / 2; seeded sampling at T > 0 with
-speculation, equal at C = 2 and C = 1 (V3.2 and V4)."""
+logprob values against the reference's log-softmax at k = 0 / 2 and C = 1 / 2, and prompt logprobs of a prompt
+prefilled in chunks split over both ranks; seeded sampling at T > 0 with speculation, equal at C = 2 and C = 1
+(V3.2 and V4)."""
 
 import asyncio
 
@@ -13,6 +14,7 @@ from cluster.engine_setup import EngineOptions, run_all
 from cp_router.protocol import EngineRequest
 from support.cp_cluster import make_prompts, ray_groups
 from support.engines import local_engine
+from support.tiny_models import reference_logprobs
 
 CHUNK = 16  # prefill tokens per step: the 40-token prompt runs as chunks 16 + 16 + 8 (prefixes 16 and 32)
 
@@ -36,6 +38,11 @@ def reference_greedy(ref, ids: list[int], count: int, **generate_options) -> lis
     out = ref.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0,
                        **generate_options)
     return out[0, len(ids):].tolist()
+
+
+async def chunks_of(engine, request: EngineRequest) -> list:
+    """Every chunk of one request's stream."""
+    return [chunk async for chunk in engine.generate(request)]
 
 
 class ChunkWatch:
@@ -78,16 +85,6 @@ def test_repetition_penalty_under_cp_chunking_and_speculation_matches_transforme
         assert result["token_ids"] != reference_greedy(ref, prompt, 12)  # the penalty changed the tokens
 
 
-def reference_logprobs(ref, prompt: list[int], tokens: list[int], top: int) -> list[tuple[float, list[int], list[float]]]:
-    """Per generated token: its log-softmax under the reference, and the `top` most likely (ids, values)."""
-    with torch.no_grad():
-        logits = ref(torch.tensor([prompt + tokens])).logits[0].double()  # [L, V]
-    logprobs = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)  # [n, V]
-    best = logprobs.topk(top)
-    return [(float(row[t]), ids.tolist(), values.tolist())
-            for row, t, ids, values in zip(logprobs, tokens, best.indices, best.values)]
-
-
 @pytest.mark.parametrize("cp_size", [1, 2])
 @pytest.mark.parametrize("k", [0, 2])
 def test_logprob_values_equal_the_reference_log_softmax(cluster, models, cp_size, k):
@@ -100,19 +97,43 @@ def test_logprob_values_equal_the_reference_log_softmax(cluster, models, cp_size
     requests = [EngineRequest(f"l{i}", tuple(p), 8, temperature=0.0, ignore_eos=True, logprobs=3)
                 for i, p in enumerate(prompts)]
 
-    async def chunks_of(request):
-        return [c async for c in engine.generate(request)]
-
     async def streams():
-        return await asyncio.gather(*[chunks_of(r) for r in requests])
+        return await asyncio.gather(*[chunks_of(engine, r) for r in requests])
 
     for prompt, chunks in zip(prompts, asyncio.run(streams())):
         tokens = [t for c in chunks for t in c.token_ids]
         ours = [lp for c in chunks for lp in c.logprobs]
-        for lp, (value, top_ids, top_values) in zip(ours, reference_logprobs(ref, prompt, tokens, 3), strict=True):
-            assert lp.logprob == pytest.approx(value, abs=1e-4)
+        for lp, (value, rank, top_ids, top_values) in zip(ours, reference_logprobs(ref, prompt, tokens, 3),
+                                                          strict=True):
+            assert lp.logprob == pytest.approx(value, abs=1e-4) and lp.rank == rank
             assert [t for t, _ in lp.top] == top_ids
             assert [v for _, v in lp.top] == pytest.approx(top_values, abs=1e-4)
+
+
+def test_prompt_logprobs_of_chunks_split_over_two_ranks_equal_the_reference(cluster, models):
+    """Every rank holds the gathered hidden states; the owner scores each chunk's rows (the last row of a
+    non-final chunk against the next chunk's first token) and the engine joins the chunks in order."""
+    ref, folder = models["v32"]
+    engine = cluster.engine(2, folder, "interleave", "v2", prefill_token_budget=CHUNK, return_logits=False)
+    watch = ChunkWatch()
+    engine.add_step_observer(watch)
+    prompts = make_prompts([40, 23, 9], seed=29)
+    requests = [EngineRequest(f"p{i}", tuple(p), 3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+                for i, p in enumerate(prompts)]
+
+    async def first_chunks():
+        streams = await asyncio.gather(*[chunks_of(engine, r) for r in requests])
+        return [chunks[0] for chunks in streams]
+
+    for prompt, first in zip(prompts, asyncio.run(first_chunks())):
+        ours = first.prompt_logprobs
+        assert len(ours) == len(prompt) and ours[0] is None
+        expected = reference_logprobs(ref, prompt[:1], prompt[1:], 2)
+        for lp, token, (value, rank, top_ids, top_values) in zip(ours[1:], prompt[1:], expected, strict=True):
+            assert lp.token_id == token and lp.rank == rank and [t for t, _ in lp.top] == top_ids
+            assert lp.logprob == pytest.approx(value, abs=1e-4)
+            assert [v for _, v in lp.top] == pytest.approx(top_values, abs=1e-4)
+    assert 16 in watch.prefixes and 32 in watch.prefixes  # chunks with a cached prefix ran split over both ranks
 
 
 @pytest.mark.parametrize("model", ["v32", "v4"])

@@ -76,7 +76,8 @@ FIELD_CASES = [  # (case, route, body, status, param, code)
     ("logit_bias key not an id", "completions", completion(logit_bias={"hello": 1}), 400, "logit_bias", None),
     ("logit_bias outside vocab", "completions", completion(logit_bias={"999999": 1}), 400, "logit_bias",
      "invalid_token_id"),
-    ("echo with logprobs", "completions", completion(echo=True, logprobs=1), 400, "echo", None),
+    ("prompt_logprobs > 20", "completions", completion(prompt_logprobs=21), 400, "prompt_logprobs", None),
+    ("prompt_logprobs < 0", "completions", completion(prompt_logprobs=-1), 400, "prompt_logprobs", None),
     ("stream_options without stream", "completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options", None),
     ("unknown model", "completions", completion(model="gpt-4"), 404, "model", "model_not_found"),
@@ -86,6 +87,7 @@ FIELD_CASES = [  # (case, route, body, status, param, code)
     ("chat over the window", "chat/completions", chat(messages=[{"role": "user", "content": "hello " * 40}]), 400,
      "messages", "context_length_exceeded"),
     ("chat top_logprobs without logprobs", "chat/completions", chat(top_logprobs=2), 400, "top_logprobs", None),
+    ("chat prompt_logprobs > 20", "chat/completions", chat(prompt_logprobs=21), 400, "prompt_logprobs", None),
     ("chat unknown model", "chat/completions", chat(model="gpt-4"), 404, "model", "model_not_found"),
 ]
 

@@ -42,8 +42,17 @@ def fake_token(request: EngineRequest, step: int) -> int:
     return FIRST_GENERATED_ID + offset % (VOCAB_SIZE - FIRST_GENERATED_ID)
 
 
+def fake_prompt_logprob(request: EngineRequest, position: int) -> TokenLogprob:
+    """Prompt token `position` (>= 1): logprob -position, rank 2 behind token id + 1, then ids + 2, + 3, ..."""
+    token, logprob = request.prompt_token_ids[position], -float(position)
+    top = [((token + 1) % VOCAB_SIZE, logprob + 0.5), (token, logprob)]
+    top += [((token + j) % VOCAB_SIZE, logprob - j) for j in range(2, request.prompt_logprobs)]
+    return TokenLogprob(token, logprob, tuple(top[: request.prompt_logprobs]), rank=2)
+
+
 class FakeEngine:
-    """Deterministic EngineClient: token `fake_token(request, step)`, text " w<id>", one token per chunk.
+    """Deterministic EngineClient: token `fake_token(request, step)`, text " w<id>", one token per chunk, prompt
+    logprobs `fake_prompt_logprob` on the first chunk when asked for.
 
     accept=False: reaching `generate` is a test failure. pause_after=k: after k tokens, wait for `abort`.
     overloaded: the first `__anext__` raises EngineOverloadedError. KV "pages" = active requests (rank 0).
@@ -89,7 +98,10 @@ class FakeEngine:
                 finish = "stop" if token in request.stop_token_ids else None
                 finish = "length" if finish is None and step + 1 == request.max_tokens else finish
                 logprobs = self._logprobs(request, token)
-                yield EngineChunk((token,), f" w{token}", finish, prompt_tokens, step + 1, logprobs)
+                prompt = None
+                if step == 0 and request.prompt_logprobs is not None:
+                    prompt = (None, *(fake_prompt_logprob(request, i) for i in range(1, prompt_tokens)))
+                yield EngineChunk((token,), f" w{token}", finish, prompt_tokens, step + 1, logprobs, prompt)
                 if finish:
                     return
                 await asyncio.sleep(0)

@@ -1,4 +1,5 @@
-"""Tiny random DSA checkpoints built with the `transformers` reference classes (the correctness oracle)."""
+"""Tiny random DSA checkpoints built with the `transformers` reference classes (the correctness oracle), and the
+reference's log-softmax of a sequence."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0
 SHAPES = {
     "v32": dict(model_type="deepseek_v32"),
     "v32_yarn": dict(model_type="deepseek_v32", rope_parameters=YARN, tie_word_embeddings=True, index_topk=12),
-    "glm_shared": dict(model_type="glm_moe_dsa", num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"],
-                       n_group=1, topk_group=1, index_topk=6),
+    "glm_shared": dict(model_type="glm_moe_dsa", num_hidden_layers=4,
+                       indexer_types=["full", "shared", "full", "shared"], n_group=1, topk_group=1, index_topk=6),
 }
 
 
@@ -67,6 +68,17 @@ def reference_model(kind: str, seed: int = 0, **overrides):
             if param.dim() >= 2:
                 param.mul_(3.0)
     return model
+
+
+def reference_logprobs(ref, prompt: list[int], tokens: list[int], top: int) -> list[tuple[float, int, list, list]]:
+    """Per token of `tokens` after `prompt`: its log-softmax under the reference, its 1-based rank (1 + how many
+    are likelier), and the `top` most likely (ids, values). Prompt logprobs: prompt[:1] then prompt[1:]."""
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + tokens])).logits[0].double()  # [L, V]
+    logprobs = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)  # [n, V]
+    best = logprobs.topk(top)  # top = 0: empty [n, 0]
+    return [(float(row[t]), int((row > row[t]).sum()) + 1, ids.tolist(), values.tolist())
+            for row, t, ids, values in zip(logprobs, tokens, best.indices, best.values)]
 
 
 def save_reference(model, out_dir: Path) -> Path:
