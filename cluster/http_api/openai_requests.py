@@ -49,6 +49,7 @@ def _only(no_op: Any) -> Callable[[Any], Any]:
 
 
 ZeroOnly = Annotated[Any, AfterValidator(_only(0))]
+TextFormatOnly = Annotated[Any, AfterValidator(_only({"type": "text"}))]
 OneOnly = Annotated[Any, AfterValidator(_only(1))]
 EmptyListOnly = Annotated[Any, AfterValidator(_only([]))]
 EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]
@@ -113,6 +114,7 @@ class SamplingRequest(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: bool = False
+    response_format: TextFormatOnly = None  # structured output is not built: only {"type": "text"}
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + k top
 
