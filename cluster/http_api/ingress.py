@@ -32,6 +32,7 @@ from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_rou
 from cluster.serve_settings import IngressSettings
 from cp_router.metrics import ServeMetrics, merge_metrics_text
 from cp_router.protocol import EngineClient, ModelInfo, one_line
+from model_workers.checkpoint.generation_config import sampling_defaults
 from model_workers.checkpoint.tokenizer import CheckpointText
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -46,6 +47,7 @@ class Ingress:
     encoder: PromptEncoder
     metrics: ServeMetrics
     started: int
+    sampling_defaults: dict  # generation_config.json's, for the fields a request leaves out
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -92,6 +94,8 @@ class Ingress:
 
     async def read(self, request: Request, model: type[SamplingRequest]) -> SamplingRequest:
         body = await read_json_body(request, model, self.settings.max_body_bytes)
+        unset = {key: value for key, value in self.sampling_defaults.items() if key not in body.model_fields_set}
+        body = body.model_copy(update=unset) if unset else body
         if body.user is not None:
             request.state.user = repr(body.user)
         self.check_model(body.model)
@@ -127,7 +131,7 @@ def _open_ingress(engine_client: EngineClient, settings: IngressSettings, text: 
         raise ValueError(f"model_dir: the engine's checkpoint has a chat template but {settings.model_dir!r} has no "
                          "tokenizer_config.json chat_template; point IngressSettings.model_dir at the checkpoint")
     return Ingress(engine_client, settings, info, ModelLimits(info.vocab_size, info.max_model_len), encoder,
-                   ServeMetrics(settings.metrics_replica), int(time.time()))
+                   ServeMetrics(settings.metrics_replica), int(time.time()), sampling_defaults(settings.model_dir))
 
 
 def _add_routes(app: FastAPI, ingress: Ingress, authorized: params.Depends) -> None:

@@ -76,7 +76,7 @@ class ModelConfig:
         return self.model_type == "glm_moe_dsa"
 
 
-GENERATION_CONFIG = "generation_config.json"
+GENERATION_CONFIG = "generation_config.json"  # its eos_token_id joins config.json's
 
 
 def load_model_config(model_dir: str | Path):

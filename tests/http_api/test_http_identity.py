@@ -100,3 +100,23 @@ def test_serve_flags_reach_the_ingress(checkpoint, origins_flag):
     settings = ingress_settings(app_args(args), checkpoint)
     assert settings.served_model_name == ["a", "b"] and settings.model_dir == str(checkpoint)
     assert settings.allowed_origins == ["https://a.example", "https://b.example"]
+
+
+def test_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path):
+    import json
+
+    folder = write_checkpoint_files(tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "do_sample": True,
+         "eos_token_id": [2]}))
+    engine = FakeEngine()
+    client = TestClient(build_app(engine, IngressSettings(model_dir=str(folder))))
+    client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+    client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, "temperature": 0, "top_p": None})
+    client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                              "repetition_penalty": 1.0})
+    defaulted, chosen, chat = engine.requests
+    assert (defaulted.temperature, defaulted.top_p, defaulted.top_k, defaulted.repetition_penalty) == (0.6, 0.95, 20,
+                                                                                                       1.1)
+    assert (chosen.temperature, chosen.top_p) == (0.0, 0.95)  # a set field wins; null means "the default"
+    assert (chat.temperature, chat.repetition_penalty) == (0.6, 1.0)
