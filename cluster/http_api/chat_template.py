@@ -30,9 +30,12 @@ class ChatTemplate:
         self.template = environment.from_string(source.source)
         self.special_tokens = source.special_tokens
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, str]], **kwargs) -> str:
+        """The prompt text; `kwargs` (the request's chat_template_kwargs, e.g. GLM's enable_thinking) reach the
+        template as variables, as in Hugging Face's apply_chat_template."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        **{**kwargs, **self.special_tokens})
         except TemplateRaised as exc:
             raise bad_request(f"messages: the chat template rejected the conversation: {exc}",
                               param="messages") from None

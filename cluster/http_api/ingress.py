@@ -76,7 +76,7 @@ class Ingress:
                           prompt_logprobs=body.prompt_logprobs)
 
     def plan_chat(self, body: ChatCompletionRequest) -> Generation:
-        prompt = self.encoder.encode_chat(body.messages, self.limits)
+        prompt = self.encoder.encode_chat(body.messages, self.limits, body.chat_template_kwargs)
         max_tokens = self.limits.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens,
                                                     body.min_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -215,9 +215,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning (templates may keep or drop it)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates read it."""
+        out = {"role": self.role, "content": self.text()}
+        return out if self.reasoning_content is None else {**out, "reasoning_content": self.reasoning_content}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -227,6 +233,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: EmptyListOnly = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. {"thinking": true} (DeepSeek)
 
     @field_validator("top_logprobs")
     @classmethod

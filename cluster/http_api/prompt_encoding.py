@@ -12,6 +12,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from cluster.http_api.chat_template import ChatTemplate
+from cluster.http_api.deepseek_encoding import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
+from cluster.http_api.deepseek_encoding import DeepSeekV32Encoding
 from cluster.http_api.errors import APIError, bad_request
 from cluster.http_api.openai_requests import ChatMessage, ModelLimits
 from model_workers.checkpoint.tokenizer import CheckpointText, decode, encode, load_checkpoint_text
@@ -30,7 +32,10 @@ class PromptEncoder:
 
     @classmethod
     def from_text(cls, text: CheckpointText) -> PromptEncoder:
-        template = None if text.chat_template is None else ChatTemplate(text.chat_template)
+        source = text.chat_template
+        if source is None:
+            return cls(text.tokenizer, None)
+        template = DeepSeekV32Encoding() if source.builtin in DEEPSEEK_MODEL_TYPES else ChatTemplate(source)
         return cls(text.tokenizer, template)
 
     @classmethod
@@ -53,11 +58,13 @@ class PromptEncoder:
         limits.check_token_ids(token_ids, param)
         return EncodedPrompt(token_ids, prompt if isinstance(prompt, str) else self.decode(token_ids))
 
-    def encode_chat(self, messages: list[ChatMessage], limits: ModelLimits) -> EncodedPrompt:
+    def encode_chat(self, messages: list[ChatMessage], limits: ModelLimits,
+                    template_kwargs: dict | None = None) -> EncodedPrompt:
+        """The conversation through the chat template (`template_kwargs`: the request's chat_template_kwargs)."""
         if self.chat_template is None:
             raise APIError(404, "this model has no chat template (tokenizer_config.json chat_template); "
                                 "use /v1/completions", code="chat_template_missing")
-        rendered = self.chat_template.render([{"role": m.role, "content": m.text()} for m in messages])
+        rendered = self.chat_template.render([m.for_template() for m in messages], **(template_kwargs or {}))
         return self.encode(rendered, limits, param="messages")
 
     def decode(self, token_ids: list[int]) -> str:

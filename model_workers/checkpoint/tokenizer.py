@@ -15,6 +15,9 @@ from typing import Any
 from tokenizers import Tokenizer
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# model_type -> the special tokens its built-in encoding writes (cluster/http_api/deepseek_encoding.py renders it);
+# a tokenizer without them is not that chat model's, and gets no chat template
+BUILTIN_ENCODINGS = {"deepseek_v32": ("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")}
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside the tokenizer, as recent transformers save it (GLM-5 ships one)
 
 
@@ -24,6 +27,7 @@ class ChatTemplateSource:
 
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)
+    builtin: str | None = None  # a model_type whose encoding is code, not Jinja (DeepSeek-V3.2); source is ""
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,8 @@ def _default_template(source: Any, path: Path) -> str:
 
 def read_chat_template(model_dir: str | Path, template_file: str | Path | None = None) -> ChatTemplateSource | None:
     """The chat template, first found of: `template_file` (--chat-template), `chat_template.jinja` in the folder,
-    tokenizer_config.json's `chat_template`; None when there is none."""
+    tokenizer_config.json's `chat_template`, the built-in encoding of the model type (DeepSeek-V3.2 ships its
+    encoding as code); None when there is none."""
     path = Path(model_dir) / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     special = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
@@ -76,9 +81,11 @@ def read_chat_template(model_dir: str | Path, template_file: str | Path | None =
         return ChatTemplateSource(Path(template_file).read_text(encoding="utf-8"), special)
     if (Path(model_dir) / CHAT_TEMPLATE_FILE).is_file():
         return ChatTemplateSource((Path(model_dir) / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), special)
-    if config.get("chat_template") is None:
-        return None
-    return ChatTemplateSource(_default_template(config["chat_template"], path), special)
+    if config.get("chat_template") is not None:
+        return ChatTemplateSource(_default_template(config["chat_template"], path), special)
+    model_config = Path(model_dir) / "config.json"
+    model_type = json.loads(model_config.read_text()).get("model_type") if model_config.is_file() else None
+    return ChatTemplateSource("", special, builtin=model_type) if model_type in BUILTIN_ENCODINGS else None
 
 
 def load_checkpoint_text(model_dir: str | Path | None, chat_template_file: str | Path | None = None) -> CheckpointText:
@@ -88,4 +95,12 @@ def load_checkpoint_text(model_dir: str | Path | None, chat_template_file: str |
         return CheckpointText(None, None)
     if not Path(model_dir).is_dir():
         raise ValueError(f"model_dir: {model_dir} is not a folder")
-    return CheckpointText(load_tokenizer(model_dir), read_chat_template(model_dir, chat_template_file))
+    tokenizer, template = load_tokenizer(model_dir), read_chat_template(model_dir, chat_template_file)
+    if template is not None and template.builtin is not None and not has_tokens(tokenizer, template.builtin):
+        template = None
+    return CheckpointText(tokenizer, template)
+
+
+def has_tokens(tokenizer: Tokenizer | None, model_type: str) -> bool:
+    """The tokenizer knows every special token of the model type's built-in chat encoding."""
+    return tokenizer is not None and all(tokenizer.token_to_id(t) is not None for t in BUILTIN_ENCODINGS[model_type])
