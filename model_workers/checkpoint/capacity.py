@@ -215,7 +215,7 @@ def kv_dtype_comparison(config: ModelConfig, weight_bytes: int = 0, device_memor
         per_token = kv_bytes_per_token(config, kv_dtype)
         entry = {"kv_bytes_per_token": per_token, "tokens_per_gib": 2**30 // per_token}
         if device_memory_gib is not None:
-            entry["kv_tokens_that_fit"] = kv_tokens_that_fit(device_memory_gib, weight_bytes, entry["kv_bytes_per_token"])[0]
+            entry["kv_tokens_that_fit"] = kv_tokens_that_fit(device_memory_gib, weight_bytes, per_token)[0]
         out[kv_dtype] = entry
     bf16, fp8 = (out[d]["kv_bytes_per_token"] for d in COMPARED_KV_DTYPES)
     out["fp8_capacity_gain"] = round(bf16 / fp8, 4)
