@@ -112,6 +112,8 @@ def ingress_settings(args: ServeAppArgs, model_dir: Path) -> IngressSettings:
         settings = settings.model_copy(update={"model_dir": str(model_dir)})
     if settings.chat_template is None and args.chat_template is not None:
         settings = settings.model_copy(update={"chat_template": args.chat_template})
+    if settings.reasoning_parser is None and args.reasoning_parser is not None:
+        settings = settings.model_copy(update={"reasoning_parser": args.reasoning_parser})
     if settings.served_model_name is None and args.served_model_name is not None:
         settings = settings.model_copy(update={"served_model_name": args.served_model_name})
     return settings

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 from cluster.engine_limits import EngineLimits
+from cluster.http_api.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
 EnginePlacement = Literal["separate", "colocated"]
@@ -30,6 +31,7 @@ class IngressSettings(BaseModel):
     metrics_replica: str = Field("ingress", min_length=1)  # `replica` label of the ingress's own metrics
     served_model_name: list[str] | None = Field(None, min_length=1)  # names `model` may take; None: the folder's
     allowed_origins: list[str] = Field(default_factory=list)  # CORS origins ("*": any); empty: no CORS headers
+    reasoning_parser: Literal[REASONING_PARSERS] | None = None  # chat: <think>...</think> as reasoning_content
 
     def resolved_api_key(self) -> str | None:
         """The configured key, else env DSA_SERVE_API_KEY, else None (no authentication)."""
@@ -46,6 +48,7 @@ class ServeAppArgs(EngineLimits):
     model: str | None = None  # checkpoint folder; None: the embedded default model
     chat_template: str | None = None  # a Jinja chat template file; None: chat_template.jinja / tokenizer_config.json
     served_model_name: list[str] | None = Field(None, min_length=1)  # the `model` names; None: the folder's name
+    reasoning_parser: Literal[REASONING_PARSERS] | None = None  # see IngressSettings
     cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
     cp_strategy: CPStrategyName = "interleave"  # SGLang's advice for DSA models
     cp_impl: CPImplName = "auto"

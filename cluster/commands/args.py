@@ -10,6 +10,7 @@ import torch
 from cluster.commands.aliases import add_speculative_aliases
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 from cluster.engine_limits import add_limit_arguments
+from cluster.http_api.reasoning import REASONING_PARSERS
 from cluster.serve_settings import EnginePlacement
 
 
@@ -66,6 +67,9 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the names clients send as `model` (several allowed; default: the folder's name)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="chat: return <think>...</think> as reasoning_content (DeepSeek-V3.2: deepseek_v3,"
+                             " GLM-5: glm45)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file (default: the checkpoint's chat_template.jinja, else the"
                              " template in tokenizer_config.json)")

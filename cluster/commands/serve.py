@@ -42,7 +42,7 @@ def app_args(args: argparse.Namespace):
     from cluster.serve_app import validate_args
 
     resolve_speculation(args)
-    names = ("model", "chat_template", "served_model_name", "cp_size", "cp_strategy", "cp_impl", "ep_size",
+    names = ("model", "chat_template", "served_model_name", "reasoning_parser", "cp_size", "cp_strategy", "cp_impl", "ep_size",
              "speculative_num_steps", "dtype", "kv_cache_dtype", "device", "engine_placement")
     fields = {name: getattr(args, name) for name in names}
     ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None))}

@@ -28,6 +28,7 @@ from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
 from cluster.http_api.openai_requests import ChatCompletionRequest, CompletionRequest, ModelLimits, SamplingRequest
 from cluster.http_api.openai_responses import ModelCard, ModelList
 from cluster.http_api.prompt_encoding import PromptEncoder
+from cluster.http_api.reasoning import opens_reasoning
 from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
 from cluster.serve_settings import IngressSettings
 from cp_router.metrics import ServeMetrics, merge_metrics_text
@@ -81,7 +82,8 @@ class Ingress:
                                                     body.min_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits)
-        return Generation(request_id, choices, ChatFormatter(request_id, self.check_model(body.model)),
+        reasoning = opens_reasoning(prompt.text) if self.settings.reasoning_parser else None
+        return Generation(request_id, choices, ChatFormatter(request_id, self.check_model(body.model), reasoning),
                           len(prompt.token_ids), prompt_logprobs=body.prompt_logprobs)
 
     async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:

@@ -32,6 +32,7 @@ from cluster.http_api.openai_responses import (
     UsageInfo,
 )
 from cluster.http_api.prompt_encoding import PromptEncoder
+from cluster.http_api.reasoning import ReasoningSplitter, split_reasoning
 from cp_router.protocol import EngineChunk, TokenLogprob
 
 
@@ -184,8 +185,10 @@ class CompletionFormatter:
 
 
 class ChatFormatter:
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, reasoning: bool | None = None):
+        """`reasoning`: None without a reasoning parser; else whether the prompt left the model thinking."""
         self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.reasoning, self.splitters = reasoning, {}
 
     def _make_chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None,
                     prompt_logprobs: PromptLogprobs | None = None) -> ChatCompletionChunk:
@@ -193,7 +196,13 @@ class ChatFormatter:
                                    usage=usage, prompt_logprobs=prompt_logprobs)
 
     def chunk(self, index: int, delta: ChoiceDelta) -> ChatCompletionChunk:
-        message = ChatDelta(role="assistant" if delta.first else None, content=delta.text)
+        role = "assistant" if delta.first else None
+        if self.reasoning is None:
+            message = ChatDelta(role=role, content=delta.text)
+        else:
+            splitter = self.splitters.setdefault(index, ReasoningSplitter(self.reasoning))
+            thought, text = splitter.feed(delta.text, final=delta.finish_reason is not None)
+            message = ChatDelta(role=role, content=text or None, reasoning_content=thought or None)
         choice = ChatChunkChoice(index=index, delta=message, logprobs=chat_logprobs(delta.logprobs),
                                  finish_reason=delta.finish_reason)
         return self._make_chunk([choice], None, delta.prompt_logprobs)
@@ -202,8 +211,14 @@ class ChatFormatter:
         return self._make_chunk([], usage)
 
     def response(self, states: list[ChoiceState], usage: UsageInfo) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=state.index, message=ChatMessageOut(content=state.text),
+        choices = [ChatChoice(index=state.index, message=self._message(state.text),
                               logprobs=chat_logprobs(state.whole().logprobs), finish_reason=state.finish_reason)
                    for state in states]
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=usage, prompt_logprobs=states[0].prompt_logprobs if states else None)
+
+    def _message(self, text: str) -> ChatMessageOut:
+        if self.reasoning is None:
+            return ChatMessageOut(content=text)
+        reasoning, content = split_reasoning(text, self.reasoning)
+        return ChatMessageOut(content=content, reasoning_content=reasoning)

@@ -110,6 +110,7 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None  # with --reasoning-parser: the thinking before the answer
 
 
 class ChatChoice(BaseModel):
@@ -134,6 +135,7 @@ class ChatCompletionResponse(WithPromptLogprobs):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

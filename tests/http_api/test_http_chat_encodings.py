@@ -4,18 +4,13 @@ off through chat_template_kwargs, and the kwargs reaching a Jinja template (GLM-
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from fastapi.testclient import TestClient
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from cluster.http_api.deepseek_encoding import DeepSeekV32Encoding
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
-from support.http_fakes import INFO, FakeEngine, write_checkpoint_files
-
-SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
-WORDS = ["[UNK]", "hello", "1+1=?", "Hello!", "helper."]
+from support.http_fakes import DEEPSEEK_WORDS, INFO, FakeEngine, write_checkpoint_files, write_deepseek_checkpoint
 
 
 def test_the_documented_deepseek_v32_example():
@@ -33,20 +28,8 @@ def test_the_documented_deepseek_v32_example():
     assert kept.endswith("<｜Assistant｜><think>add</think>2<｜end▁of▁sentence｜>")  # after the last user: kept
 
 
-def deepseek_checkpoint(folder, with_special_tokens: bool = True):
-    folder.mkdir()
-    vocab = {word: i for i, word in enumerate(WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    if with_special_tokens:
-        tokenizer.add_special_tokens(SPECIAL)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
-    return folder, tokenizer
-
-
 def test_deepseek_v32_chat_is_served_with_thinking_off_or_on(tmp_path):
-    folder, tokenizer = deepseek_checkpoint(tmp_path / "dsv32")
+    folder, tokenizer = write_deepseek_checkpoint(tmp_path / "dsv32")
     engine = FakeEngine()
     client = TestClient(build_app(engine, IngressSettings(model_dir=str(folder))))
     messages = [{"role": "user", "content": "hello"}]
@@ -61,11 +44,11 @@ def test_deepseek_v32_chat_is_served_with_thinking_off_or_on(tmp_path):
 
 
 def vocab_id(word: str) -> int:
-    return WORDS.index(word)
+    return DEEPSEEK_WORDS.index(word)
 
 
 def test_a_deepseek_v32_folder_whose_tokenizer_lacks_the_chat_tokens_has_no_chat(tmp_path):
-    folder, _ = deepseek_checkpoint(tmp_path / "plain", with_special_tokens=False)
+    folder, _ = write_deepseek_checkpoint(tmp_path / "plain", with_special_tokens=False)
     engine = FakeEngine(info=dataclasses.replace(INFO, has_chat_template=False))
     client = TestClient(build_app(engine, IngressSettings(model_dir=str(folder))))
     response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}]})

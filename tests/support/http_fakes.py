@@ -167,3 +167,21 @@ async def call_and_disconnect(app, path: str, payload: dict, after_body_messages
 
     await app(http_scope("POST", path, {"content-type": "application/json"}, spec_version), receive, send)
     return sent
+
+
+DEEPSEEK_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                    "</think>"]
+DEEPSEEK_WORDS = ["[UNK]", "hello", "1+1=?", "Hello!", "helper."]
+
+
+def write_deepseek_checkpoint(folder: Path, with_special_tokens: bool = True) -> tuple[Path, Tokenizer]:
+    """A `deepseek_v32` folder (config.json + a word-level tokenizer, with DeepSeek-V3.2's chat tokens unless
+    told otherwise): its chat goes through the built-in DeepSeek-V3.2 encoding."""
+    folder.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(DEEPSEEK_WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if with_special_tokens:
+        tokenizer.add_special_tokens(DEEPSEEK_SPECIAL)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    return folder, tokenizer
