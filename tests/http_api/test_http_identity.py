@@ -16,11 +16,6 @@ from cluster.serve_settings import IngressSettings
 from support.http_fakes import MAX_MODEL_LEN, FakeEngine, write_checkpoint_files
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_checkpoint_files(tmp_path_factory.mktemp("ckpt"))
-
-
 @pytest.fixture
 def served(checkpoint):
     engine = FakeEngine()

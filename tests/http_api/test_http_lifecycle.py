@@ -15,14 +15,9 @@ from fastapi.testclient import TestClient
 from cluster.http_api.ingress import build_app
 from cluster.http_api.middleware import route_path
 from cluster.serve_settings import IngressSettings
-from support.http_fakes import INFO, FakeEngine, call_and_disconnect, write_checkpoint_files
+from support.http_fakes import INFO, FakeEngine, call_and_disconnect
 
 KV_IDLE = 'dsa_serve:kv_pages_used{cp_rank="0",replica="engine-0"} 0.0'
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_checkpoint_files(tmp_path_factory.mktemp("ckpt"))
 
 
 def app_over(engine: FakeEngine, checkpoint, **settings):

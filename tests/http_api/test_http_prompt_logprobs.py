@@ -18,15 +18,10 @@ from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine
-from support.http_fakes import FakeEngine, fake_token, write_checkpoint_files
+from support.http_fakes import FakeEngine, fake_token
 
 LM_EVAL_BODY = {"model": "tiny-dsa", "prompt": "hello world", "max_tokens": 1, "temperature": 0, "logprobs": 1,
                 "echo": True, "seed": 1234}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_checkpoint_files(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture
