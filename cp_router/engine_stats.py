@@ -35,8 +35,10 @@ class EngineStats:
         self.worker_compute_s += max(r.compute_s for r in results)
         self.decode_calls += sum(bool(step.plans[r.cp_rank].decode) for r in results)
         drafted = accepted = 0
-        for out in outputs.values():
-            self.generated += len(out.token_ids)
+        placeholders = {piece.request_id for piece in step.prefill.pieces if not piece.final} if step.prefill else set()
+        for request_id, out in outputs.items():
+            if request_id not in placeholders:  # a non-final prefill chunk's token is never used
+                self.generated += len(out.token_ids)
             drafted, accepted = drafted + out.drafted, accepted + sum(out.accepted_per_position)
             for j, count in enumerate(out.accepted_per_position):
                 self.accepted_per_position[j] += count

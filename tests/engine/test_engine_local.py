@@ -162,3 +162,10 @@ def test_mtp_index_sharing_reuses_topk_and_stays_lossless(shared_index_model, mo
     plain = run_all(local_engine(shared_index_model, options(0)), requests)
     assert run_all(local_engine(shared_index_model, options(3)), requests) == plain
     assert any(reused)  # draft steps 2..k took the recorded top-k instead of selecting
+
+
+def test_generated_counts_emitted_tokens_only_across_chunked_prefills(default_model):
+    requests = make_requests([70, 5, 40], [3, 4, 2], 6000, prompt_seed=5, temperature=0.0, ignore_eos=True)
+    engine = local_engine(default_model, options(0))  # 32-token prefill chunks: the 70- and 40-token prompts split
+    results = run_all(engine, requests)
+    assert engine.stats.generated == sum(len(r["token_ids"]) for r in results) == 9
