@@ -107,7 +107,7 @@ class DSAEngine:
 def ingress_settings(args: ServeAppArgs, model_dir: Path) -> IngressSettings:
     """The ingress's settings: the tokenizer and chat template come from the served checkpoint (and the args'
     chat_template file) unless the ingress names its own."""
-    settings = args.ingress
+    settings = args.ingress.model_copy(update={"request_id_header": False})  # Serve's proxy sets X-Request-Id
     if settings.model_dir is None:
         settings = settings.model_copy(update={"model_dir": str(model_dir)})
     if settings.chat_template is None and args.chat_template is not None:

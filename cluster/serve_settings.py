@@ -32,6 +32,7 @@ class IngressSettings(BaseModel):
     served_model_name: list[str] | None = Field(None, min_length=1)  # names `model` may take; None: the folder's
     allowed_origins: list[str] = Field(default_factory=list)  # CORS origins ("*": any); empty: no CORS headers
     reasoning_parser: Literal[REASONING_PARSERS] | None = None  # chat: <think>...</think> as reasoning_content
+    request_id_header: bool = True  # set X-Request-Id on responses; off under Ray Serve, whose proxy sets it
 
     def resolved_api_key(self) -> str | None:
         """The configured key, else env DSA_SERVE_API_KEY, else None (no authentication)."""

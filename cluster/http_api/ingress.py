@@ -173,7 +173,7 @@ def build_app(engine_client: EngineClient, settings: IngressSettings | None = No
     app.add_middleware(ConcurrencyLimitMiddleware, paths=GENERATION_PATHS, limit=settings.max_ongoing_requests,
                        retry_after_s=settings.retry_after_s)
     app.add_middleware(AccessLogMiddleware, metrics=ingress.metrics)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, add_header=settings.request_id_header)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])

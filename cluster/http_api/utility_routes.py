@@ -75,8 +75,9 @@ class RequestIdMiddleware:
     """Every response carries X-Request-Id: the client's own (kept, and logged as `client_request_id`), else the
     server's request id (a generation's cmpl-... / chatcmpl-...) or a fresh one."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
+    def __init__(self, app: ASGIApp, add_header: bool = True):
+        """`add_header=False` where a proxy in front sets the header itself (Ray Serve's does): only logged."""
+        self.app, self.add_header = app, add_header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -85,6 +86,9 @@ class RequestIdMiddleware:
         incoming = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER.encode())
         if incoming is not None:
             scope.setdefault("state", {})["client_request_id"] = incoming.decode("latin-1")
+        if not self.add_header:
+            await self.app(scope, receive, send)
+            return
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -95,6 +95,7 @@ def test_serve_flags_reach_the_ingress(checkpoint, origins_flag):
     settings = ingress_settings(app_args(args), checkpoint)
     assert settings.served_model_name == ["a", "b"] and settings.model_dir == str(checkpoint)
     assert settings.allowed_origins == ["https://a.example", "https://b.example"]
+    assert settings.request_id_header is False  # under Ray Serve its proxy sets X-Request-Id (once)
 
 
 def test_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path):
