@@ -87,14 +87,6 @@ class PagedKVCache:
         if index_rows is not None:
             self.index_keys[layer_id][slots] = index_rows
 
-    def read_latent(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Latent keys at `slots` [...] -> [..., C + R] in `dtype`: gathered first, then decoded."""
-        return self.latent_format.decode(self.latent[layer_id][slots], dtype)
-
-    def decode_index(self, stored: torch.Tensor) -> torch.Tensor:
-        """Stored indexer-key rows [..., width] -> [..., D_idx] float32 (the indexer scores in float32)."""
-        return self.index_format.decode(stored, torch.float32)
-
     def rows(self, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
         """The stored rows of positions 0..num_tokens-1 per cache layer, as the cache holds them (FP8: bytes):
         latent [n, latent width] and index key [n, index width] (None on layers without an indexer)."""
