@@ -104,19 +104,19 @@ class DSAEngine:
         await self.engine.check_health()
 
 
+INHERITED_CHAT_SETTINGS = ("chat_template", "reasoning_parser", "served_model_name", "tool_call_parser",
+                           "enable_auto_tool_choice")
+
+
 def ingress_settings(args: ServeAppArgs, model_dir: Path) -> IngressSettings:
     """The ingress's settings: the tokenizer and chat template come from the served checkpoint (and the args'
     chat_template file) unless the ingress names its own."""
     settings = args.ingress.model_copy(update={"request_id_header": False})  # Serve's proxy sets X-Request-Id
     if settings.model_dir is None:
         settings = settings.model_copy(update={"model_dir": str(model_dir)})
-    if settings.chat_template is None and args.chat_template is not None:
-        settings = settings.model_copy(update={"chat_template": args.chat_template})
-    if settings.reasoning_parser is None and args.reasoning_parser is not None:
-        settings = settings.model_copy(update={"reasoning_parser": args.reasoning_parser})
-    if settings.served_model_name is None and args.served_model_name is not None:
-        settings = settings.model_copy(update={"served_model_name": args.served_model_name})
-    return settings
+    inherited = {name: getattr(args, name) for name in INHERITED_CHAT_SETTINGS
+                 if getattr(settings, name) in (None, False) and getattr(args, name) not in (None, False)}
+    return settings.model_copy(update=inherited) if inherited else settings
 
 
 def configure_access_log() -> None:
@@ -163,12 +163,18 @@ class DSAServer:
         await self.engine.check_health()
 
 
+def validation_line(error: dict) -> str:
+    """One pydantic error as `field: message` (a check of several fields has no field of its own)."""
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
+
+
 def validate_args(args: dict[str, Any] | ServeAppArgs) -> ServeAppArgs:
     """ServeAppArgs, or one ValueError line naming each bad field."""
     try:
         return ServeAppArgs.model_validate(args)
     except ValidationError as err:
-        fields = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        fields = "; ".join(validation_line(e) for e in err.errors())
         raise ValueError(f"invalid {APP_NAME} args: {fields}") from None
 
 

@@ -9,14 +9,21 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 from cluster.engine_limits import EngineLimits
 from cluster.http_api.reasoning import REASONING_PARSERS
+from cluster.http_api.tool_parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
 EnginePlacement = Literal["separate", "colocated"]
+
+
+def check_tool_flags(tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser "
+                         f"(--tool-call-parser {{{','.join(TOOL_CALL_PARSERS)}}})")
 
 
 class IngressSettings(BaseModel):
@@ -32,7 +39,14 @@ class IngressSettings(BaseModel):
     served_model_name: list[str] | None = Field(None, min_length=1)  # names `model` may take; None: the folder's
     allowed_origins: list[str] = Field(default_factory=list)  # CORS origins ("*": any); empty: no CORS headers
     reasoning_parser: Literal[REASONING_PARSERS] | None = None  # chat: <think>...</think> as reasoning_content
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # chat: the family's tool-call markup as tool_calls
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag; needs tool_call_parser)
     request_id_header: bool = True  # set X-Request-Id on responses; off under Ray Serve, whose proxy sets it
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_a_parser(self) -> IngressSettings:
+        check_tool_flags(self.tool_call_parser, self.enable_auto_tool_choice)
+        return self
 
     def resolved_api_key(self) -> str | None:
         """The configured key, else env DSA_SERVE_API_KEY, else None (no authentication)."""
@@ -50,6 +64,8 @@ class ServeAppArgs(EngineLimits):
     chat_template: str | None = None  # a Jinja chat template file; None: chat_template.jinja / tokenizer_config.json
     served_model_name: list[str] | None = Field(None, min_length=1)  # the `model` names; None: the folder's name
     reasoning_parser: Literal[REASONING_PARSERS] | None = None  # see IngressSettings
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # see IngressSettings
+    enable_auto_tool_choice: bool = False  # see IngressSettings
     cp_size: int = Field(2, ge=1)  # ranks of one CP group = rank workers of one engine replica
     cp_strategy: CPStrategyName = "interleave"  # SGLang's advice for DSA models
     cp_impl: CPImplName = "auto"
@@ -64,3 +80,8 @@ class ServeAppArgs(EngineLimits):
     # HTTP app and the engine (one process less per chunk; scale by replicas of the whole server).
     engine_placement: EnginePlacement = "separate"
     ingress: IngressSettings = IngressSettings()
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_a_parser(self) -> ServeAppArgs:
+        check_tool_flags(self.tool_call_parser, self.enable_auto_tool_choice)
+        return self

@@ -45,9 +45,10 @@ class RequestStream:
         """Queues one chunk; returns the finish reason (stop strings can end a request early). `logprobs` and
         `prompt_logprobs` (prompt positions 1.., given once) are the ranks' (id, logprob, top, rank) tuples."""
         kept: list[int] = []
-        for token in token_ids:
+        for position, token in enumerate(token_ids):
             kept.append(token)
-            self.text.add(token)
+            if self._shows(finish_reason, position == len(token_ids) - 1):
+                self.text.add(token)
             if self.text.stopped:
                 finish_reason = "stop"
                 break
@@ -62,6 +63,11 @@ class RequestStream:
         ))
         self.finished = finish_reason is not None
         return finish_reason
+
+    def _shows(self, finish_reason: str | None, last: bool) -> bool:
+        """Whether a token's text joins the output: not a stop token's (EOS or stop_token_ids, which end the
+        request with "stop"), as vLLM, unless include_stop_str_in_output."""
+        return not (last and finish_reason == "stop") or self.request.include_stop_str_in_output
 
     def end(self, finish_reason: str) -> None:
         if not self.finished:

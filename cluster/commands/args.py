@@ -11,6 +11,7 @@ from cluster.commands.aliases import add_speculative_aliases
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 from cluster.engine_limits import add_limit_arguments
 from cluster.http_api.reasoning import REASONING_PARSERS
+from cluster.http_api.tool_parsers import TOOL_CALL_PARSERS
 from cluster.serve_settings import EnginePlacement
 
 
@@ -70,6 +71,12 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="chat: return <think>...</think> as reasoning_content (DeepSeek-V3.2: deepseek_v3,"
                              " GLM-5: glm45)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="chat: parse the family's tool-call markup into tool_calls (DeepSeek-V3.2: deepseek_v32,"
+                             " DeepSeek-V4: deepseek_v4, GLM-4.5/4.6: glm45, GLM-4.7/GLM-5: glm47)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (the default when a request has tools); needs'
+                             ' --tool-call-parser')
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file (default: the checkpoint's chat_template.jinja, else the"
                              " template in tokenizer_config.json)")

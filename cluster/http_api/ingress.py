@@ -20,15 +20,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.http_api.body import read_json_body
+from cluster.http_api.chat_requests import ChatCompletionRequest, tools_json
 from cluster.http_api.choice_streams import plan_choices
 from cluster.http_api.errors import APIError, install_error_handlers
 from cluster.http_api.generation import Generation, respond_stream, respond_whole
 from cluster.http_api.middleware import AccessLogMiddleware, ConcurrencyLimitMiddleware, api_key_dependency
 from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
-from cluster.http_api.openai_requests import ChatCompletionRequest, CompletionRequest, ModelLimits, SamplingRequest
+from cluster.http_api.openai_requests import CompletionRequest, ModelLimits, SamplingRequest
 from cluster.http_api.openai_responses import ModelCard, ModelList
 from cluster.http_api.prompt_encoding import PromptEncoder
 from cluster.http_api.reasoning import opens_reasoning
+from cluster.http_api.tool_stream import tool_call_setup
 from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
 from cluster.serve_settings import IngressSettings
 from cp_router.metrics import ServeMetrics, merge_metrics_text
@@ -77,13 +79,18 @@ class Ingress:
                           prompt_logprobs=body.prompt_logprobs)
 
     def plan_chat(self, body: ChatCompletionRequest) -> Generation:
-        prompt = self.encoder.encode_chat(body.messages, self.limits, body.chat_template_kwargs)
+        tools = tool_call_setup(body, self.settings.tool_call_parser, self.settings.enable_auto_tool_choice)
+        if tools is not None:  # the markup may be special tokens (DeepSeek's DSML, GLM's <tool_call>): keep them
+            body = body.model_copy(update={"skip_special_tokens": False})
+        prompt = self.encoder.encode_chat(body.messages, self.limits, body.chat_template_kwargs, tools_json(body.tools),
+                                          tools.forced_prefix if tools else "")
         max_tokens = self.limits.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens,
                                                     body.min_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits)
         reasoning = opens_reasoning(prompt.text) if self.settings.reasoning_parser else None
-        return Generation(request_id, choices, ChatFormatter(request_id, self.check_model(body.model), reasoning),
+        formatter = ChatFormatter(request_id, self.check_model(body.model), reasoning, tools)
+        return Generation(request_id, choices, formatter,
                           len(prompt.token_ids), prompt_logprobs=body.prompt_logprobs)
 
     async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
+from cluster.http_api.chat_output import ChatOutputSplitter, finish_reason
 from cluster.http_api.choice_streams import PlannedChoice
 from cluster.http_api.errors import APIError
 from cluster.http_api.openai_responses import (
@@ -25,14 +26,17 @@ from cluster.http_api.openai_responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCallOut,
     PromptLogprob,
     PromptLogprobs,
     StreamChunk,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
 from cluster.http_api.prompt_encoding import PromptEncoder
-from cluster.http_api.reasoning import ReasoningSplitter, split_reasoning
+from cluster.http_api.tool_stream import ToolCallSetup
 from cp_router.protocol import EngineChunk, TokenLogprob
 
 
@@ -185,10 +189,14 @@ class CompletionFormatter:
 
 
 class ChatFormatter:
-    def __init__(self, request_id: str, model: str, reasoning: bool | None = None):
-        """`reasoning`: None without a reasoning parser; else whether the prompt left the model thinking."""
+    def __init__(self, request_id: str, model: str, reasoning: bool | None = None, tools: ToolCallSetup | None = None):
+        """`reasoning`: None without a reasoning parser; else whether the prompt left the model thinking.
+        `tools`: how answers are searched for tool calls (None: they are not)."""
         self.request_id, self.model, self.created = request_id, model, int(time.time())
-        self.reasoning, self.splitters = reasoning, {}
+        self.reasoning, self.tools, self.splitters = reasoning, tools, {}
+
+    def _splitter(self, index: int) -> ChatOutputSplitter:
+        return self.splitters.setdefault(index, ChatOutputSplitter(self.reasoning, self.tools))
 
     def _make_chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None,
                     prompt_logprobs: PromptLogprobs | None = None) -> ChatCompletionChunk:
@@ -197,28 +205,32 @@ class ChatFormatter:
 
     def chunk(self, index: int, delta: ChoiceDelta) -> ChatCompletionChunk:
         role = "assistant" if delta.first else None
-        if self.reasoning is None:
-            message = ChatDelta(role=role, content=delta.text)
-        else:
-            splitter = self.splitters.setdefault(index, ReasoningSplitter(self.reasoning))
-            thought, text = splitter.feed(delta.text, final=delta.finish_reason is not None)
-            message = ChatDelta(role=role, content=text or None, reasoning_content=thought or None)
+        splitter = self._splitter(index)
+        piece = splitter.feed(delta.text, final=delta.finish_reason is not None)
+        calls = [ToolCallDelta(index=c.index, id=c.id, function=FunctionCallOut(name=c.call.name,
+                                                                               arguments=c.call.arguments))
+                 for c in piece.calls]
+        plain = self.reasoning is None and self.tools is None
+        message = ChatDelta(role=role, content=piece.content if plain else piece.content or None,
+                            reasoning_content=piece.reasoning or None, tool_calls=calls or None)
         choice = ChatChunkChoice(index=index, delta=message, logprobs=chat_logprobs(delta.logprobs),
-                                 finish_reason=delta.finish_reason)
+                                 finish_reason=finish_reason(delta.finish_reason, splitter))
         return self._make_chunk([choice], None, delta.prompt_logprobs)
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._make_chunk([], usage)
 
     def response(self, states: list[ChoiceState], usage: UsageInfo) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=state.index, message=self._message(state.text),
-                              logprobs=chat_logprobs(state.whole().logprobs), finish_reason=state.finish_reason)
-                   for state in states]
+        choices = [self._choice(state) for state in states]
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=usage, prompt_logprobs=states[0].prompt_logprobs if states else None)
 
-    def _message(self, text: str) -> ChatMessageOut:
-        if self.reasoning is None:
-            return ChatMessageOut(content=text)
-        reasoning, content = split_reasoning(text, self.reasoning)
-        return ChatMessageOut(content=content, reasoning_content=reasoning)
+    def _choice(self, state: ChoiceState) -> ChatChoice:
+        splitter = ChatOutputSplitter(self.reasoning, self.tools)
+        piece = splitter.whole(state.text)
+        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.call.name, arguments=c.call.arguments))
+                 for c in piece.calls]
+        message = ChatMessageOut(content=piece.content or (None if calls else ""), reasoning_content=piece.reasoning,
+                                 tool_calls=calls)
+        return ChatChoice(index=state.index, message=message, logprobs=chat_logprobs(state.whole().logprobs),
+                          finish_reason=finish_reason(state.finish_reason, splitter))

@@ -1,4 +1,5 @@
-"""OpenAI-compatible request models (`POST /v1/completions`, `POST /v1/chat/completions`) and their limits.
+"""OpenAI-compatible request models: the sampling fields both routes share, `POST /v1/completions`, and the limits
+(the chat request, with messages and tools, is chat_requests.py's).
 
 Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 1], n in 1..16, logprobs 0..20
 (vLLM's limit; with echo the prompt tokens come first), at most 4 stop strings, presence / frequency penalties in
@@ -12,7 +13,7 @@ Checks needing the model (vocabulary, context window) run after tokenization: `M
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable
 
 from pydantic import (
     AfterValidator,
@@ -51,7 +52,6 @@ def _only(no_op: Any) -> Callable[[Any], Any]:
 ZeroOnly = Annotated[Any, AfterValidator(_only(0))]
 TextFormatOnly = Annotated[Any, AfterValidator(_only({"type": "text"}))]
 OneOnly = Annotated[Any, AfterValidator(_only(1))]
-EmptyListOnly = Annotated[Any, AfterValidator(_only([]))]
 EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]
 
 
@@ -200,55 +200,6 @@ class CompletionRequest(SamplingRequest):
         if isinstance(self.prompt, str) or _is_token_id(self.prompt[0]):
             return [self.prompt]
         return list(self.prompt)
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-    reasoning_content: str | None = None  # an assistant turn's reasoning (templates may keep or drop it)
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-    def for_template(self) -> dict[str, str]:
-        """The message as chat templates read it."""
-        out = {"role": self.role, "content": self.text()}
-        return out if self.reasoning_content is None else {**out, "reasoning_content": self.reasoning_content}
-
-
-class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: EmptyListOnly = None
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. {"thinking": true} (DeepSeek)
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.data.get("logprobs") is False:
-            raise ValueError("only allowed when logprobs is true")
-        return value
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def engine_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
-OpenAIFinishReason = Literal["stop", "length"]
+OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -107,10 +107,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    """A streamed call: sent whole, in one delta, once the model has written all of it."""
+
+    index: int
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     reasoning_content: str | None = None  # with --reasoning-parser: the thinking before the answer
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)  # with --tool-call-parser: the calls it made
 
 
 class ChatChoice(BaseModel):
@@ -136,6 +154,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -11,11 +11,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from cluster.http_api.chat_requests import ChatMessage
 from cluster.http_api.chat_template import ChatTemplate
 from cluster.http_api.deepseek_encoding import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from cluster.http_api.deepseek_encoding import DeepSeekV32Encoding
 from cluster.http_api.errors import APIError, bad_request
-from cluster.http_api.openai_requests import ChatMessage, ModelLimits
+from cluster.http_api.openai_requests import ModelLimits
+from cluster.http_api.reasoning import THINK_END, opens_reasoning
 from model_workers.checkpoint.tokenizer import CheckpointText, decode, encode, load_checkpoint_text
 
 
@@ -58,13 +60,18 @@ class PromptEncoder:
         limits.check_token_ids(token_ids, param)
         return EncodedPrompt(token_ids, prompt if isinstance(prompt, str) else self.decode(token_ids))
 
-    def encode_chat(self, messages: list[ChatMessage], limits: ModelLimits,
-                    template_kwargs: dict | None = None) -> EncodedPrompt:
-        """The conversation through the chat template (`template_kwargs`: the request's chat_template_kwargs)."""
+    def encode_chat(self, messages: list[ChatMessage], limits: ModelLimits, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None, forced_prefix: str = "") -> EncodedPrompt:
+        """The conversation through the chat template (`template_kwargs`: the request's chat_template_kwargs;
+        `tools`: its tools, OpenAI's JSON). `forced_prefix` (a forced tool call's opening) is written after the
+        generation prompt, a think block the prompt opened being closed first: a forced call is not reasoned."""
         if self.chat_template is None:
             raise APIError(404, "this model has no chat template (tokenizer_config.json chat_template); "
                                 "use /v1/completions", code="chat_template_missing")
-        rendered = self.chat_template.render([m.for_template() for m in messages], **(template_kwargs or {}))
+        rendered = self.chat_template.render([m.for_template() for m in messages], tools=tools,
+                                             **(template_kwargs or {}))
+        if forced_prefix:
+            rendered += (THINK_END if opens_reasoning(rendered) else "") + forced_prefix
         return self.encode(rendered, limits, param="messages")
 
     def decode(self, token_ids: list[int]) -> str:

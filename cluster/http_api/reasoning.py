@@ -23,6 +23,7 @@ class ReasoningSplitter:
 
     def __init__(self, in_reasoning: bool):
         self.in_reasoning, self.started = in_reasoning, False
+        self.had_reasoning = in_reasoning  # the output has a reasoning part (the prompt or the output opened it)
         self.pending = ""  # text held back: the start of the output (`<think>`?) or a possible `</think>` prefix
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -35,7 +36,7 @@ class ReasoningSplitter:
                 return "", ""
             self.started = True
             if text.startswith(THINK_START):
-                self.in_reasoning, text = True, text[len(THINK_START):]
+                self.in_reasoning, self.had_reasoning, text = True, True, text[len(THINK_START):]
         if not self.in_reasoning:
             return "", text
         end = text.find(THINK_END)
@@ -53,9 +54,3 @@ def partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
-
-
-def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str]:
-    """A whole completion -> (reasoning_content or None, content)."""
-    reasoning, content = ReasoningSplitter(in_reasoning).feed(text, final=True)
-    return (reasoning if reasoning or in_reasoning or text.startswith(THINK_START) else None), content

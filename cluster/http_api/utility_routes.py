@@ -8,6 +8,7 @@ GET /version. `RequestIdMiddleware` keeps a client's X-Request-Id (logged, echoe
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from fastapi import FastAPI, Request, params
 from fastapi.responses import JSONResponse
@@ -15,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.http_api.body import read_json_body
+from cluster.http_api.chat_requests import ChatMessage, ToolSpec, tools_json
 from cluster.http_api.errors import bad_request
-from cluster.http_api.openai_requests import ChatMessage, PromptInput
+from cluster.http_api.openai_requests import PromptInput
 from cluster.http_api.openai_responses import server_version
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -28,6 +30,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: PromptInput | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolSpec] | None = None  # rendered into the chat prompt, as in a chat completion
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class DetokenizeRequest(BaseModel):
@@ -51,7 +55,8 @@ def add_utility_routes(app: FastAPI, ingress, authorized: params.Depends) -> Non
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            token_ids = ingress.encoder.encode_chat(body.messages, ingress.limits).token_ids
+            token_ids = ingress.encoder.encode_chat(body.messages, ingress.limits, body.chat_template_kwargs,
+                                                    tools_json(body.tools)).token_ids
         elif isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
             raise bad_request("prompt: /tokenize takes one prompt (a string or token ids)", param="prompt")
         else:

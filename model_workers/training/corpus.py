@@ -59,6 +59,18 @@ def train_tokenizer(files: tuple[Path, ...], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+# The default model's chat: a conversation as Python comments, the text it was trained on. With
+# chat_template_kwargs {"enable_thinking": true} the answer opens a <think> block (the model, trained on source code
+# only, does not close it: what it writes is returned as reasoning_content under --reasoning-parser).
+CHAT_TEMPLATE = """{% for message in messages %}
+# {{ message.role }}: {{ message.content }}
+{% endfor %}
+{% if add_generation_prompt %}
+# assistant:{{ ' <think>' if enable_thinking else '' }}
+{% endif %}
+"""
+
+
 def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, max_length: int) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = {
@@ -69,6 +81,7 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, max_length: int) -> None
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def token_stream(tokenizer: Tokenizer, files: tuple[Path, ...]) -> torch.Tensor:

@@ -64,3 +64,17 @@ def test_dtype_auto_is_the_checkpoints_dtype_and_bf16_on_cuda(tmp_path):
     assert resolve_dtype_name("auto", tmp_path) == "float32"
     assert resolve_dtype_name("auto", tmp_path, "cuda") == "bfloat16"
     assert resolve_dtype_name("float32", tmp_path, "cuda") == "float32"  # an explicit choice wins
+
+
+def test_vllm_tool_and_reasoning_flags_reach_the_ingress(capsys):
+    from cluster.serve_app import ingress_settings
+
+    got = settings(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v32", "--reasoning-parser",
+                    "deepseek_v3"])
+    ingress = ingress_settings(got, resolve_model_dir(None))
+    assert (ingress.tool_call_parser, ingress.enable_auto_tool_choice, ingress.reasoning_parser) == (
+        "deepseek_v32", True, "deepseek_v3")
+    assert cli.main(["serve", "--enable-auto-tool-choice"]) == 2
+    err = capsys.readouterr().err
+    assert "--enable-auto-tool-choice) needs tool_call_parser (--tool-call-parser {deepseek_v32," in err
+    assert err.count("\n") == 1

@@ -56,7 +56,8 @@ def server(tmp_path_factory, request):
     port, log_path = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", API_KEY_ENV)}
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--api-key", API_KEY,
-               "--engine-placement", request.param] + (["--ep-size", "2"] if request.param == "separate" else [])
+               "--engine-placement", request.param, "--reasoning-parser", "deepseek_r1"]
+    command += ["--ep-size", "2"] if request.param == "separate" else []
     with open(log_path, "w") as log:
         # Started with SIGINT ignored, as some launchers and test runners leave it: Ctrl-C must still stop it.
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -108,6 +109,20 @@ def test_models_and_greedy_text_equals_dsa_serve_generate(client, capsys):
     generated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert served.choices[0].text == generated["text"]
     assert served.usage.prompt_tokens == generated["prompt_tokens"]
+
+
+def test_chat_thinking_on_and_off_is_the_completion_of_its_rendered_prompt(client, server):
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    for thinking in (False, True):
+        kwargs = {"chat_template_kwargs": {"enable_thinking": thinking}}
+        chat = client.chat.completions.create(model="default_model", messages=messages, max_tokens=12, temperature=0,
+                                              extra_body=kwargs).choices[0].message
+        prompt = httpx.post(f"{server[0]}/tokenize", json={"messages": messages, **kwargs},
+                            headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"]
+        text = client.completions.create(model="default_model", prompt=prompt, max_tokens=12, temperature=0
+                                         ).choices[0].text
+        got = (getattr(chat, "reasoning_content", None), chat.content)
+        assert got == ((text, "") if thinking else (None, text))
 
 
 def test_streaming_matches_whole_response_and_reports_usage(client):

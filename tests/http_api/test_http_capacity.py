@@ -68,7 +68,7 @@ async def sweep(app, cases: list[tuple[int, int | None]]) -> list[tuple[int, int
 def test_boundary_sweep_never_fails_a_request_that_passed_validation():
     options = EngineOptions(num_pages=PAGES, page_size=PAGE_SIZE, num_speculative_steps=K, prefill_token_budget=16)
     engine = local_engine(resolve_model_dir(None), options)
-    app = build_app(engine, IngressSettings())
+    app = build_app(engine, IngressSettings(model_dir=str(resolve_model_dir(None))))
     lengths = [1, 2, 15, 16, 17, ROOM - 2, ROOM - 1, ROOM, ROOM + 1, 40, 17000]
     cases = [(n, m) for n in lengths for m in (None, 1, ROOM - n, ROOM - n + 1) if m is None or m >= 1]
     for prompt_len, max_tokens, status, body in asyncio.run(sweep(app, cases)):

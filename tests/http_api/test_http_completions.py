@@ -163,11 +163,11 @@ def test_vllm_bench_serve_body_is_served_and_unknown_fields_are_named_in_one_log
     (record,) = caplog.records
     assert record.getMessage() == "ignored unknown request fields: frequency, priority"
     assert sse_payloads(response.text)[-1]["usage"]["completion_tokens"] == 3
-    chat = {"messages": [{"role": "user", "content": "hi", "weight": 1}], "max_tokens": 2, "parallel_tool_calls": True}
+    chat = {"messages": [{"role": "user", "content": "hi", "weight": 1}], "max_tokens": 2, "service_tier": "auto"}
     caplog.clear()
     with caplog.at_level("WARNING", logger="cluster.http_api.body"):
         assert client.post("/v1/chat/completions", json=chat).status_code == 200
-    assert caplog.records[0].getMessage() == "ignored unknown request fields: messages[0].weight, parallel_tool_calls"
+    assert caplog.records[0].getMessage() == "ignored unknown request fields: messages[0].weight, service_tier"
 
 
 @pytest.mark.parametrize("source", ["chat_template.jinja", "--chat-template"])

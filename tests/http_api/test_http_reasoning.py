@@ -10,13 +10,18 @@ import httpx
 import openai
 import pytest
 
+from cluster.http_api.chat_output import ChatOutputSplitter
 from cluster.http_api.ingress import build_app
-from cluster.http_api.reasoning import ReasoningSplitter, split_reasoning
+from cluster.http_api.reasoning import ReasoningSplitter
 from cluster.serve_settings import IngressSettings
-from cp_router.protocol import EngineChunk
-from support.http_fakes import INFO, FakeEngine, write_deepseek_checkpoint
+from support.http_fakes import INFO, ScriptedEngine, write_deepseek_checkpoint
 
 OUTPUT = ["Let", " me", " think", "</thi", "nk>", "The", " answer"]
+
+
+def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str]:
+    piece = ChatOutputSplitter(in_reasoning, None).whole(text)
+    return piece.reasoning, piece.content
 
 
 def test_whole_and_piecewise_splits_agree_wherever_the_text_is_cut():
@@ -31,20 +36,10 @@ def test_whole_and_piecewise_splits_agree_wherever_the_text_is_cut():
         assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == ("Let me think", "The answer")
 
 
-class ScriptedEngine(FakeEngine):
-    """Emits OUTPUT, one piece per chunk (token ids are placeholders)."""
-
-    async def _run(self, request):
-        for step, piece in enumerate(OUTPUT):
-            finish = "stop" if step == len(OUTPUT) - 1 else None
-            yield EngineChunk((1,), piece, finish, len(request.prompt_token_ids), step + 1)
-            await asyncio.sleep(0)
-
-
 @pytest.fixture
 def app(tmp_path):
     folder, _ = write_deepseek_checkpoint(tmp_path / "dsv32")
-    engine = ScriptedEngine(info=dataclasses.replace(INFO, vocab_size=16))
+    engine = ScriptedEngine(OUTPUT, info=dataclasses.replace(INFO, vocab_size=16))
     return build_app(engine, IngressSettings(model_dir=str(folder), reasoning_parser="deepseek_v3"))
 
 

@@ -1,5 +1,6 @@
 """Text options as vLLM has them: special tokens left out of the text by default, a stop string kept on
-request, the tokenizer's BOS added to completion prompts (add_special_tokens), up to 20 logprobs."""
+request, a stop token's own text left out (as vLLM), the tokenizer's BOS added to completion prompts
+(add_special_tokens), up to 20 logprobs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from tokenizers import Tokenizer, processors
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
 from cp_router.detokenize import IncrementalText
+from cp_router.protocol import EngineRequest
+from cp_router.request_stream import RequestStream
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.checkpoint.tokenizer import encode, load_tokenizer
 from support.http_fakes import FakeEngine, write_checkpoint_files
@@ -35,6 +38,19 @@ def test_special_tokens_are_skipped_unless_asked_and_stop_strings_kept_on_reques
     assert texts(tokenizer, ids, skip_special_tokens=False) == "def f(x):<|endoftext|> return x"
     assert texts(tokenizer, ids, stop=("(x)",)) == "def f"
     assert texts(tokenizer, ids, stop=("(x)",), include_stop=True) == "def f(x)"
+
+
+def test_a_stop_tokens_own_text_is_not_output_unless_include_stop_str_in_output():
+    tokenizer = load_tokenizer(resolve_model_dir(None))
+    ids = encode(tokenizer, "def f(x):")
+    for include, expected in ((False, tokenizer.decode(ids[:-1])), (True, "def f(x):")):
+        request = EngineRequest("r", (1,), max_tokens=8, stop_token_ids=(ids[-1],), skip_special_tokens=False,
+                                include_stop_str_in_output=include)
+        stream = RequestStream(request, tokenizer)
+        stream.push(ids[:-1], [], None)
+        stream.push(ids[-1:], [], "stop")  # the engine ended it on the stop token
+        chunks = [stream.queue.get_nowait() for _ in range(2)]
+        assert "".join(chunk.text for chunk in chunks) == expected and chunks[-1].token_ids == (ids[-1],)
 
 
 def test_completion_prompts_get_the_tokenizers_bos_unless_add_special_tokens_is_false(tmp_path):

@@ -130,6 +130,21 @@ class FakeEngine:
         return None
 
 
+class ScriptedEngine(FakeEngine):
+    """Emits `pieces` as its output text, one per chunk, the last one finishing with "stop" (token ids are
+    placeholders); `pieces` may be replaced between requests."""
+
+    def __init__(self, pieces: list[str], **kwargs):
+        super().__init__(**kwargs)
+        self.pieces = pieces
+
+    async def _run(self, request):
+        for step, piece in enumerate(self.pieces):
+            finish = "stop" if step == len(self.pieces) - 1 else None
+            yield EngineChunk((1,), piece, finish, len(request.prompt_token_ids), step + 1)
+            await asyncio.sleep(0)
+
+
 def http_scope(method: str, path: str, headers: dict[str, str], spec_version: str) -> dict:
     return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
@@ -170,8 +185,8 @@ async def call_and_disconnect(app, path: str, payload: dict, after_body_messages
 
 
 DEEPSEEK_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
-                    "</think>"]
-DEEPSEEK_WORDS = ["[UNK]", "hello", "1+1=?", "Hello!", "helper."]
+                    "</think>", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>"]
+DEEPSEEK_WORDS = ["[UNK]", "hello", "1+1=?", "Hello!", "helper.", 'name="get_weather">']
 
 
 def write_deepseek_checkpoint(folder: Path, with_special_tokens: bool = True) -> tuple[Path, Tokenizer]:
@@ -184,4 +199,32 @@ def write_deepseek_checkpoint(folder: Path, with_special_tokens: bool = True) ->
         tokenizer.add_special_tokens(DEEPSEEK_SPECIAL)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    return folder, tokenizer
+
+
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}"
+    "{{ tool.function | tojson(ensure_ascii=False) }}"
+    "\n{% endfor %}{% endif %}{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|></think>{{ m.content }}{% for call in m.tool_calls or [] %}"
+    "<tool_call>{{ call.function.name }}{% for k, v in call.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}"
+    "{% elif m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response>{% endif %}{% endfor %}"
+    "<|assistant|>{{ '<think>' if enable_thinking else '</think>' }}")
+GLM_SPECIAL = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>",
+               "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+               "<tool_response>", "</tool_response>", "<|endoftext|>"]
+
+
+def write_glm_checkpoint(folder: Path) -> tuple[Path, Tokenizer]:
+    """A GLM-5-like folder: chat_template.jinja (GLM's layout, tools included) beside a word-level tokenizer
+    that carries GLM's chat and tool-call special tokens."""
+    folder.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(DEEPSEEK_WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(GLM_SPECIAL)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (folder / "chat_template.jinja").write_text(GLM_TEMPLATE)
+    (folder / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa"}))
     return folder, tokenizer
