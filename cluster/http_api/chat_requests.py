@@ -13,24 +13,20 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from cluster.http_api.openai_requests import MAX_LOGPROBS, SamplingRequest
+from cluster.http_api.openai_requests import MAX_LOGPROBS, RequestModel, SamplingRequest
 
 MAX_TOOLS = 128  # as OpenAI
 FUNCTION_NAME = r"^[A-Za-z0-9_.:\-]{1,64}$"  # OpenAI's letters, digits, _ and -, plus the . and : of namespaced tools
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class FunctionSpec(RequestModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
@@ -42,16 +38,12 @@ class FunctionSpec(BaseModel):
         return {key: schema.get("type") for key, schema in properties.items() if isinstance(schema, dict)}
 
 
-class ToolSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ToolSpec(RequestModel):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class FunctionCallIn(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class FunctionCallIn(RequestModel):
     name: str = Field(pattern=FUNCTION_NAME)
     arguments: dict[str, Any]
 
@@ -68,30 +60,22 @@ class FunctionCallIn(BaseModel):
         return value
 
 
-class ToolCallIn(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ToolCallIn(RequestModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

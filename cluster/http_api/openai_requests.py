@@ -83,17 +83,19 @@ def _check_prompt(value: Any) -> Any:
 PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A part of a request body: strict types, unknown fields ignored (and named in the log, body.py)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)

@@ -12,21 +12,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request, params
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.http_api.body import read_json_body
 from cluster.http_api.chat_requests import ChatMessage, ToolSpec, tools_json
 from cluster.http_api.errors import bad_request
-from cluster.http_api.openai_requests import PromptInput
+from cluster.http_api.openai_requests import PromptInput, RequestModel
 from cluster.http_api.openai_responses import server_version
 
 REQUEST_ID_HEADER = "x-request-id"
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: PromptInput | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -34,9 +32,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
