@@ -37,6 +37,7 @@ class EngineOptions:
     max_model_len: int | None = None  # None: the model's window capped by one rank's KV room (`kv_room`)
     max_num_seqs: int = 256  # requests running at once
     max_queued_requests: int = 4096  # waiting requests before new ones get EngineOverloadedError (503)
+    deterministic: bool = False  # --enable-deterministic-inference: batch-invariant ranks (batch_invariant.py)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
@@ -109,7 +110,7 @@ def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOpt
     options = check_options_for_model(model_dir, cp, options)  # bad options fail before any actor starts
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                          threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu,
-                         kv_cache_dtype=options.kv_cache_dtype)
+                         kv_cache_dtype=options.kv_cache_dtype, deterministic=options.deterministic)
     return engine_over_workers(model_dir, cp, options, group.workers, metrics), group
 
 
@@ -117,7 +118,8 @@ def start_local_engine(model_dir: str | Path, options: EngineOptions,
                        metrics: ServeMetrics | None = None) -> GenerationEngine:
     """A C = 1 engine in this process (no Ray): the CLI without --cp-size, tests, benchmarks."""
     options = check_options_for_model(model_dir, LOCAL_CP, options)
-    worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size, options.kv_cache_dtype)
+    worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size, options.kv_cache_dtype,
+                             options.deterministic)
     return engine_over_workers(model_dir, LOCAL_CP, options, [worker], metrics)
 
 

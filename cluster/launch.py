@@ -103,7 +103,7 @@ def _place(cp_size: int, use_gpu: bool, timeout_s: float):
 
 def start_workers(model_dir: str | Path, cp_size: int, group, first_bundle: int, dtype: str, num_pages: int,
                   page_size: int, threads_per_worker: int, use_gpu: bool, ep_size: int = 1,
-                  kv_cache_dtype: str = "auto") -> list:
+                  kv_cache_dtype: str = "auto", deterministic: bool = False) -> list:
     """One CPWorker per rank in bundles first_bundle.. of `group`, joined in a process group, checkpoint loaded.
 
     On failure the workers are stopped and the error re-raised; the placement group stays the caller's.
@@ -120,7 +120,8 @@ def start_workers(model_dir: str | Path, cp_size: int, group, first_bundle: int,
     try:
         master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
         ray.get([w.init_comm.remote(master_addr, master_port) for w in workers])
-        ray.get([w.load.remote(str(model_dir), dtype, num_pages, page_size, ep_size, kv_cache_dtype) for w in workers])
+        ray.get([w.load.remote(str(model_dir), dtype, num_pages, page_size, ep_size, kv_cache_dtype, deterministic)
+                 for w in workers])
     except Exception:
         stop_workers(workers)
         raise
@@ -137,13 +138,14 @@ def launch_group(
     threads_per_worker: int = 1,
     use_gpu: bool | None = None,
     kv_cache_dtype: str = "auto",
+    deterministic: bool = False,
 ) -> CPGroup:
     """Places a group and starts its workers (one per CP rank, see `start_workers`)."""
     use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
     group = _place(cp.cp_size, use_gpu, placement_timeout_s)
     try:
         workers = start_workers(model_dir, cp.cp_size, group, 0, dtype, num_pages, page_size, threads_per_worker,
-                                use_gpu, cp.ep_size, kv_cache_dtype)
+                                use_gpu, cp.ep_size, kv_cache_dtype, deterministic)
     except Exception:
         remove_placement_group(group)
         raise

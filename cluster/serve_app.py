@@ -56,7 +56,8 @@ def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
     limits = limit_options(model_dir, EngineLimits(**limits_from(args)), args.dtype, args.kv_cache_dtype,
                            args.speculative_num_steps)
     return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                         num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda", **limits)
+                         num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda",
+                         deterministic=args.enable_deterministic_inference, **limits)
 
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
@@ -74,7 +75,7 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
     options = check_options_for_model(model_dir, cp, options)
     workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
                             options.page_size, options.threads_per_worker, bool(options.use_gpu), cp.ep_size,
-                            options.kv_cache_dtype)
+                            options.kv_cache_dtype, options.deterministic)
     metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
     return engine_over_workers(model_dir, cp, options, workers, metrics, text)
 

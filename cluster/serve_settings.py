@@ -73,6 +73,7 @@ class ServeAppArgs(EngineLimits):
     speculative_num_steps: int = Field(0, ge=0, le=MAX_SPECULATIVE_STEPS)
     dtype: DTypeName = "auto"  # the checkpoint's (bf16 on CUDA); float32 / bfloat16 force one
     kv_cache_dtype: KVCacheDTypeName = "auto"  # auto: keys in `dtype`; fp8_e4m3: DESIGN.md §10's FP8 layout
+    enable_deterministic_inference: bool = False  # SGLang's name: batch-invariant ranks (bit-identical tokens)
     device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import nullcontext
 
 import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
 from model_workers.backends.cp_backend import CPBackend
+from model_workers.batch_invariant import BatchInvariantMode
 from model_workers.checkpoint.loader import LoadReport, load_model_with_report
 from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, free_port
 from model_workers.cp_prefill import PrefillContext, run_prefill
@@ -63,20 +65,22 @@ class CPWorker:
         self.init_comm(master_addr, master_port)
 
     def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64,
-             ep_size: int = 1, kv_cache_dtype: str = "auto") -> dict:
+             ep_size: int = 1, kv_cache_dtype: str = "auto", deterministic: bool = False) -> dict:
         """(Re)loads a checkpoint and a fresh cache of `num_pages` pages; requests held so far are dropped.
         ep_size = cp_size: this rank loads and runs only its block of every MoE layer's routed experts.
-        kv_cache_dtype: "auto" (keys in `dtype`), "bfloat16" or "fp8_e4m3" (kv_format.py)."""
+        kv_cache_dtype: "auto" (keys in `dtype`), "bfloat16" or "fp8_e4m3" (kv_format.py).
+        deterministic: every step batch-invariant (batch_invariant.py), for --enable-deterministic-inference."""
         if ep_size not in (1, self.cp_size):
             raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {ep_size}")
         storage = storage_dtype(dtype)
         model, self.load_report = load_model_with_report(
             model_dir, dtype=compute_dtype(storage, self.device), device=self.device, progress=False,
             ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size)
-        self.exchange = ExpertExchange(self.comm) if ep_size > 1 else None
+        self.exchange = ExpertExchange(self.comm, deterministic) if ep_size > 1 else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
-                                  kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype)
-        self.backend = make_backend(self.runner.cache, self.exchange, cp=True)
+                                  kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype,
+                                  deterministic=deterministic)
+        self.backend = make_backend(self.runner.cache, self.exchange, cp=True, deterministic=deterministic)
         self.held = {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
@@ -106,7 +110,8 @@ class CPWorker:
         if problem is not None:
             raise RuntimeError(f"cp_rank {self.cp_rank} rejected its step plan: {problem}")
         try:
-            return self._step(plan)
+            with BatchInvariantMode() if self.runner.deterministic else nullcontext():
+                return self._step(plan)
         except CollectiveError as exc:
             self.comm.abort()
             raise RuntimeError(f"cp_rank {self.cp_rank} left the step: {exc} (another rank failed first)") from exc

@@ -127,7 +127,8 @@ def sharing_backend(runner: ModelRunner, states: list[DecodeState]) -> SharedTop
     sharing = runner.model.config.index_share_for_mtp_iteration
     if not states or not sharing or any(s.held.draft_topk is None for s in states):
         return None
-    return SharedTopkBackend(runner.cache, runner.model.config.num_hidden_layers, runner.exchange)
+    return SharedTopkBackend(runner.cache, runner.model.config.num_hidden_layers, runner.exchange,
+                             runner.deterministic)
 
 
 def draft_chain(

@@ -27,6 +27,7 @@ import torch
 
 from cp_router.cp.padding import DPPaddingMode, dp_padded_rows, dp_padding_mode, pad_local_rows
 from model_workers.comm import LocalComm
+from model_workers.model.layers import sum_in_expert_order
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,11 @@ def unpack_rows(packed: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtyp
 class ExpertExchange:
     """The expert-parallel group of one rank: its comm, and the row counts of the forward now running."""
 
-    def __init__(self, comm: LocalComm):
+    def __init__(self, comm: LocalComm, deterministic: bool = False):
+        """`deterministic`: each row's expert terms come back unsummed and are added on its own rank in expert-id
+        order (`sum_in_expert_order`), the bits of one rank holding every expert."""
         self.comm = comm
+        self.deterministic = deterministic
         self.rows: ForwardRows | None = None
 
     @property
@@ -111,6 +115,13 @@ class ExpertExchange:
         packed = pack_rows(x, expert_ids, weights)  # [T, B]
         received = self.comm.all_to_all_rows(packed.repeat(size, 1), [num_rows] * size, rows_per_rank,
                                              "experts")  # [S, B] every rank's rows, rank-major
-        partial = experts(*unpack_rows(received, hidden, top_k, x.dtype))  # [S, H]
-        returned = self.comm.all_to_all_rows(partial, rows_per_rank, [num_rows] * size, "experts")  # [C*T, H]
-        return returned.view(size, num_rows, hidden).sum(0)  # [T, H]
+        rows_in = unpack_rows(received, hidden, top_k, x.dtype)
+        if self.deterministic:  # [S, k*H]: one rank holds each slot's expert, the others send exact zeros
+            partial = experts.slot_outputs(*rows_in).reshape(received.shape[0], top_k * hidden)
+        else:
+            partial = experts(*rows_in)  # [S, H]
+        returned = self.comm.all_to_all_rows(partial, rows_per_rank, [num_rows] * size, "experts")  # [C*T, H']
+        summed = returned.view(size, num_rows, -1).sum(0)  # [T, H']
+        if self.deterministic:
+            return sum_in_expert_order(summed.view(num_rows, top_k, hidden), expert_ids)
+        return summed  # [T, H]

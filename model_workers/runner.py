@@ -68,24 +68,28 @@ def make_cache(model, num_pages: int, page_size: int, dtype: torch.dtype, device
     return PagedKVCache(num_pages, page_size, latent_format, index_format, indexed, device)
 
 
-def make_backend(cache: PagedKVCache | V4Cache, exchange: ExpertExchange | None, cp: bool = False):
-    """The attention backend over `cache`: one-rank, or (cp) gathering each batch's keys from the CP group."""
+def make_backend(cache: PagedKVCache | V4Cache, exchange: ExpertExchange | None, cp: bool = False,
+                 deterministic: bool = False):
+    """The attention backend over `cache`: one-rank, or (cp) gathering each batch's keys from the CP group;
+    `deterministic`: batch-invariant top-k (TorchBackend)."""
     if isinstance(cache, V4Cache):
         return (V4CPBackend if cp else V4TorchBackend)(cache, exchange)
-    return (CPBackend if cp else TorchBackend)(cache, exchange)
+    return (CPBackend if cp else TorchBackend)(cache, exchange, deterministic)
 
 
 class ModelRunner:
     def __init__(self, model: DSAForCausalLM | DeepseekV4ForCausalLM, num_pages: int, page_size: int = 64,
                  device="cpu", kv_dtype: torch.dtype | None = None, exchange: ExpertExchange | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", deterministic: bool = False):
         """kv_dtype: the weights' storage dtype, which kv_cache_dtype="auto" keeps keys in (default: the model's);
-        kv_cache_dtype: "auto", "bfloat16" or "fp8_e4m3"; exchange: the expert-parallel group, if any."""
+        kv_cache_dtype: "auto", "bfloat16" or "fp8_e4m3"; exchange: the expert-parallel group, if any;
+        deterministic: batch-invariant backends (the caller runs forwards under `BatchInvariantMode`)."""
         self.model, self.device, self.page_size = model, torch.device(device), page_size
         dtype = kv_dtype or model.model.embed_tokens.weight.dtype
         self.cache = make_cache(model, num_pages, page_size, dtype, self.device, kv_cache_dtype)
         self.exchange = exchange
-        self.backend = make_backend(self.cache, exchange)
+        self.deterministic = deterministic
+        self.backend = make_backend(self.cache, exchange, deterministic=deterministic)
 
     def bound_backend(self, items: list[ExtendItem], backend=None):
         """`backend` (default: the runner's) bound to one forward over `items`."""

@@ -43,6 +43,12 @@ def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
                              " with a float32 scale per 128 values, k_pe in bf16: 656 B per token per layer at V3.2)")
 
 
+def add_deterministic_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="batch-invariant ranks (SGLang's flag): a request's tokens and logprobs are bit-identical"
+                             " whatever shares its batch, however it is chunked, whichever rank runs it (slower)")
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--device", choices=get_args(DeviceName), default=default)
 
@@ -85,6 +91,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     add_speculative_argument(parser)
     add_dtype_argument(parser, default=dtype_default)
     add_kv_cache_dtype_argument(parser)
+    add_deterministic_argument(parser)
     add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
     add_placement_argument(parser)
     add_limit_arguments(parser)

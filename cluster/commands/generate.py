@@ -14,6 +14,7 @@ import torch
 
 from cluster.commands.args import (
     add_cp_arguments,
+    add_deterministic_argument,
     add_dtype_argument,
     add_kv_cache_dtype_argument,
     add_speculative_argument,
@@ -49,6 +50,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--n-requests", type=int, default=1, help="requests run concurrently (one JSON line each)")
     add_dtype_argument(parser, default="auto")
     add_kv_cache_dtype_argument(parser)
+    add_deterministic_argument(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_cp_arguments(parser)
@@ -123,7 +125,7 @@ def run_generate(args: argparse.Namespace, model_dir: Path) -> list[dict]:
     k = args.speculative_num_steps
     num_pages = sum(ceil_div(len(r.prompt_token_ids) + r.max_tokens + k + 1, PAGE_SIZE) for r in requests) + 1
     options = EngineOptions(args.dtype, num_pages, PAGE_SIZE, k, use_gpu=str(args.device).startswith("cuda"),
-                            kv_cache_dtype=args.kv_cache_dtype)
+                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference)
     if cp is None:
         return run_all(start_local_engine(model_dir, options), requests)
     with ray_session(engine_cpus(cp.cp_size), args.ray_address):

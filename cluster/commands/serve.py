@@ -44,7 +44,7 @@ def app_args(args: argparse.Namespace):
     resolve_speculation(args)
     names = ("model", "chat_template", "served_model_name", "reasoning_parser", "tool_call_parser",
              "enable_auto_tool_choice", "cp_size", "cp_strategy", "cp_impl", "ep_size", "speculative_num_steps",
-             "dtype", "kv_cache_dtype", "device", "engine_placement")
+             "dtype", "kv_cache_dtype", "device", "engine_placement", "enable_deterministic_inference")
     fields = {name: getattr(args, name) for name in names}
     ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None))}
     fields.update(limits_from(args), ingress=ingress)

@@ -34,8 +34,8 @@ def gather_rows_global(
 class CPBackend(TorchBackend):
     """Implements `model.backend.AttentionBackend` for one CP shard at a time."""
 
-    def __init__(self, cache: PagedKVCache, exchange=None):
-        super().__init__(cache, exchange)
+    def __init__(self, cache: PagedKVCache, exchange=None, deterministic: bool = False):
+        super().__init__(cache, exchange, deterministic)
         self.meta: RankMetadata | None = None
         self.comm: LocalComm | None = None
         self.keep_topk_layers: frozenset[int] = frozenset()

@@ -34,8 +34,8 @@ def reuse_rows(kept: list[torch.Tensor], tables: list[PageTable], starts: list[i
 class SharedTopkBackend(TorchBackend):
     """Records the top-k of `layer_id` (`kept`, [T, k'] slots), or hands `reuse` back instead of selecting."""
 
-    def __init__(self, cache, layer_id: int, exchange=None):
-        super().__init__(cache, exchange)
+    def __init__(self, cache, layer_id: int, exchange=None, deterministic: bool = False):
+        super().__init__(cache, exchange, deterministic)
         self.layer_id = layer_id
         self.kept: torch.Tensor | None = None
         self.reuse: torch.Tensor | None = None

@@ -35,9 +35,12 @@ class TorchBackend:
     """Implements `model.backend.AttentionBackend` for one `ForwardBatch` at a time; with an `ExpertExchange`,
     a MoE layer's routed experts run across the expert-parallel group."""
 
-    def __init__(self, cache: PagedKVCache, exchange: ExpertExchange | None = None):
+    def __init__(self, cache: PagedKVCache, exchange: ExpertExchange | None = None, deterministic: bool = False):
+        """`deterministic` (--enable-deterministic-inference): top-k always `topk` wide, request by request, on
+        fixed key tiles with ties to the earlier key, so that no query's picks depend on its batch."""
         self.cache = cache
         self.exchange = exchange
+        self.deterministic = deterministic
         self.batch: ForwardBatch | None = None
 
     def bind(self, batch: ForwardBatch) -> "TorchBackend":
@@ -54,9 +57,11 @@ class TorchBackend:
 
     def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
         batch = self.batch
-        width = min(topk, max((len(s) for s in batch.key_slots), default=0))
+        width = topk if self.deterministic else min(topk, max((len(s) for s in batch.key_slots), default=0))
         out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=index_q.device)
-        if len(batch.request_rows) > 1 and max(len(r) for r in batch.request_rows) <= BATCHED_TOPK_MAX_ROWS:
+        if self.deterministic:
+            self._select_per_request(layer_id, index_q, index_weights, topk, out)
+        elif len(batch.request_rows) > 1 and max(len(r) for r in batch.request_rows) <= BATCHED_TOPK_MAX_ROWS:
             self._select_batched(layer_id, index_q, index_weights, topk, out)
         else:
             self._select_per_request(layer_id, index_q, index_weights, topk, out)
@@ -68,7 +73,8 @@ class TorchBackend:
             if rows.numel() == 0:
                 continue
             key_positions = causal_topk(index_q[rows], index_weights[rows], keys_store[key_slots],
-                                        batch.positions[rows], topk, decode=self.cache.index_format.decode)  # [n, k_r]
+                                        batch.positions[rows], topk, decode=self.cache.index_format.decode,
+                                        deterministic=self.deterministic)  # [n, k_r]
             picked_slots = torch.where(key_positions >= 0, key_slots[key_positions.clamp_min(0)], -1)
             out[rows, : picked_slots.shape[1]] = picked_slots
 

@@ -88,8 +88,24 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inner))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; expert_ids (global, -1 = none), weights [T, k] -> Σ over held experts [T, hidden]."""
+        """x [T, hidden]; expert_ids (global, -1 = none), weights [T, k] -> Σ over held experts [T, hidden], each
+        row's experts added in expert-id order."""
         out = torch.zeros_like(x)
+        for rows, _, y in self._weighted_outputs(x, expert_ids, weights):
+            out.index_add_(0, rows, y)
+        return out
+
+    def slot_outputs(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The same terms unsummed: [T, k, hidden], slot j = weight_j · expert_j(x) if held here, else 0."""
+        top_k = max(expert_ids.shape[1], 1)
+        out = x.new_zeros((x.shape[0] * top_k, x.shape[1]))
+        for _, flat_slots, y in self._weighted_outputs(x, expert_ids, weights):
+            out[flat_slots] = y
+        return out.view(x.shape[0], top_k, x.shape[1])
+
+    def _weighted_outputs(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor):
+        """Per held expert, in id order: (its rows [n], their flat slots row·k + j [n], weight · expert(x) [n, hidden]
+        in x's dtype)."""
         num_local = len(self.expert_ids)
         local_ids = expert_ids - self.expert_ids.start  # [T, k]
         held = (local_ids >= 0) & (local_ids < num_local)
@@ -105,10 +121,19 @@ class Experts(nn.Module):
             rows = token_rows[start : start + count]
             gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])  # [n, hidden]
-            y = y * flat_weights[start : start + count, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+            yield rows, order[start : start + count], (y * flat_weights[start : start + count, None]).to(x.dtype)
             start += count
-        return out
+
+
+def sum_in_expert_order(slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """slots [T, k, hidden] (weight_j · expert_j(x)) -> [T, hidden] added up in expert-id order, as
+    `Experts.forward` adds them: the same bits wherever each expert ran."""
+    order = expert_ids.argsort(dim=1, stable=True)  # [T, k]; -1 (no expert) first: its slot is 0
+    ordered = slots.gather(1, order[:, :, None].expand_as(slots))
+    out = torch.zeros_like(slots[:, 0])
+    for j in range(ordered.shape[1]):
+        out = out + ordered[:, j]
+    return out
 
 
 class MoE(nn.Module):

@@ -34,11 +34,14 @@ KEY_TILE = 1024  # indexer keys per tile: a [64, H, 1024] fp32 tile stays in cac
 
 
 def indexer_scores(
-    index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor, decode: Decode = as_dtype
+    index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor, decode: Decode = as_dtype,
+    fixed_tiles: bool = False,
 ) -> torch.Tensor:
     """score[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s]) in float32, computed (and decoded) KEY_TILE keys at a time.
 
     index_q [Tc, H, D]; index_weights [Tc, H] (all scales folded in); keys [K, W] stored rows -> [Tc, K].
+    `fixed_tiles` (deterministic inference): the last tile is zero-padded to KEY_TILE keys, so every product has
+    one shape and a score's bits do not depend on how many keys the request has.
     """
     num_rows, num_heads, dim = index_q.shape
     q_flat = index_q.float().reshape(num_rows * num_heads, dim)  # [Tc*H, D]
@@ -46,8 +49,11 @@ def indexer_scores(
     out = torch.empty(num_rows, keys.shape[0], dtype=torch.float32, device=keys.device)
     for start in range(0, keys.shape[0], KEY_TILE):
         block = decode(keys[start : start + KEY_TILE], torch.float32)  # [Kb, D]
+        count = block.shape[0]
+        if fixed_tiles and count < KEY_TILE:
+            block = torch.cat([block, block.new_zeros(KEY_TILE - count, block.shape[1])])  # [KEY_TILE, D]
         dots = torch.matmul(q_flat, block.t()).clamp_min_(0).view(num_rows, num_heads, -1)  # [Tc, H, Kb]
-        out[:, start : start + block.shape[0]] = torch.bmm(weights, dots)[:, 0]  # [Tc, Kb]
+        out[:, start : start + count] = torch.bmm(weights, dots)[:, 0, :count]  # [Tc, Kb]
     return out
 
 
@@ -59,6 +65,7 @@ def causal_topk(
     topk: int,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     decode: Decode = as_dtype,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Top-k key positions per query among keys at positions 0..K-1 with position <= the query's.
 
@@ -66,6 +73,8 @@ def causal_topk(
     query_positions [T]. Returns [T, min(topk, K)] int64 key positions, -1 where a query has fewer
     causal keys. Queries with at most `topk` causal keys take all of them in position order.
     Each query chunk scores only the keys up to its last query's position (causal work only).
+    `deterministic`: scores on fixed key tiles, and ties broken towards the earlier key (`pick_causal`), so a
+    query's picks do not depend on the queries and keys beside it.
     """
     num_keys = keys.shape[0]
     width = min(topk, num_keys)
@@ -75,17 +84,22 @@ def causal_topk(
         rows = slice(start, start + chunk)
         positions = query_positions[rows]
         visible = min(num_keys, int(positions.max()) + 1)  # keys past the chunk's last query never count
-        scores = indexer_scores(index_q[rows], index_weights[rows], keys[:visible], decode)  # [Tc, K']
-        out[rows, : min(width, visible)] = pick_causal(scores, positions, width)
+        scores = indexer_scores(index_q[rows], index_weights[rows], keys[:visible], decode,
+                                fixed_tiles=deterministic)  # [Tc, K']
+        out[rows, : min(width, visible)] = pick_causal(scores, positions, width, stable=deterministic)
     return out
 
 
-def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
-    """scores [Tc, K'] over key positions 0..K'-1 -> [Tc, min(width, K')] picked positions, -1 = none."""
+def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int, stable: bool = False) -> torch.Tensor:
+    """scores [Tc, K'] over key positions 0..K'-1 -> [Tc, min(width, K')] picked positions, -1 = none.
+    `stable`: equal scores (ReLU makes many exactly 0) are picked earliest key first, whatever K' is."""
     key_positions = torch.arange(scores.shape[1], device=scores.device)
     scores.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
     width = min(width, scores.shape[1])
-    picked = scores.topk(width, dim=-1).indices  # [Tc, width]
+    if stable:
+        picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # [Tc, width]
+    else:
+        picked = scores.topk(width, dim=-1).indices  # [Tc, width]
     picked = torch.where(torch.isinf(scores.gather(1, picked)), -1, picked)
     short = positions < width  # every causal key fits: take them all, in position order
     if short.any():

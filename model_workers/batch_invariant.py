@@ -1,0 +1,126 @@
+"""`--enable-deterministic-inference`: matrix products whose rows do not depend on the rows beside them.
+
+Measured with torch 2.13 on this CPU (`dsa-serve bench determinism` prints the probe): a float32 `linear` of one
+row gives other bits alone (M = 1) or beside one to three rows (M = 2, 3) than in a batch of 4 or more; from 32
+rows on, a row's bits are the same in every batch size up to 4,096 (and rows deep in a large batch equal the
+same rows alone in a 32-row call), at 1 and 2 threads alike. Row-wise reductions (RMSNorm's mean, softmax,
+log-softmax) and batched matmuls over a batch of fixed-shape products gave the same bits at every row count.
+
+So one rule suffices for the weight products: every linear / mm / matmul of fewer than MIN_ROWS rows runs on
+MIN_ROWS rows, the extra ones zero (then dropped). Transcendental elementwise ops (sigmoid, exp, silu, ...) need
+a second rule: ATen runs whole SIMD chunks through the vector function and the tail of a loop through the
+scalar libm one, and the two differ in the last bit, so a MoE gate's sigmoid over [T, 8] scores gave an
+element other bits at T = 1 (all tail) than at T = 4 (measured on this engine); they run contiguous, in blocks
+that are whole chunks and that no thread split cuts. `BatchInvariantMode` applies it to every such call made under
+it (torch dispatch); the shapes that depend on data (how many keys a request has, how many it selects) are
+made fixed by the backend itself in this mode (`deterministic` on `TorchBackend`). Batched products (bmm, and the
+bmm an einsum such as MLA's absorption "thn,hnc->thc" becomes) have the same rule per product: the rows of each
+of the B products are padded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MIN_ROWS = 32  # from here on a product's rows are batch-invariant (measured: see the module docstring)
+
+aten = torch.ops.aten
+
+
+def _padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [..., K] -> (x as [max(M, MIN_ROWS), K], M) where M is the number of rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    if rows >= MIN_ROWS:
+        return flat, rows
+    return torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])]), rows
+
+
+def _linear(func, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    flat, rows = _padded_rows(x)
+    out = func(flat, weight, bias)[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _mm(func, a: torch.Tensor, b: torch.Tensor):
+    flat, rows = _padded_rows(a)
+    return func(flat, b)[:rows]
+
+
+def _matmul(func, a: torch.Tensor, b: torch.Tensor):
+    if b.dim() != 2 or a.dim() < 1:  # batched products: each of fixed shape (batch-invariant as they are)
+        return func(a, b)
+    if a.dim() == 1:
+        return _mm(func, a[None], b)[0]
+    flat, rows = _padded_rows(a)
+    out = func(flat, b)[:rows]
+    return out.reshape(*a.shape[:-1], out.shape[-1])
+
+
+def _bmm(func, a: torch.Tensor, b: torch.Tensor):
+    """a [B, M, K] @ b [B, K, N] with M < MIN_ROWS: each product on MIN_ROWS rows."""
+    rows = a.shape[1]
+    if rows >= MIN_ROWS:
+        return func(a, b)
+    padded = torch.cat([a, a.new_zeros(a.shape[0], MIN_ROWS - rows, a.shape[2])], dim=1)
+    return func(padded, b)[:, :rows]
+
+
+def _addmm(func, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1):
+    flat, rows = _padded_rows(a)
+    if bias.dim() == 2 and bias.shape[0] == rows and rows < MIN_ROWS:
+        bias = torch.cat([bias, bias.new_zeros(MIN_ROWS - rows, bias.shape[1])])
+    return func(bias, flat, b, beta=beta, alpha=alpha)[:rows]
+
+
+VECTOR_BLOCK = 64  # elements: a whole number of the widest SIMD chunk ATen's elementwise loops take at once
+ELEMENTWISE_BLOCK = 16384  # elements per call: under ATen's parallel grain (32,768), so no thread splits a call
+
+
+def _elementwise(func, x: torch.Tensor, *args, **kwargs):
+    """A transcendental elementwise op on every element through the vectorized path: contiguous, in calls of
+    ELEMENTWISE_BLOCK elements, the last one padded to a multiple of VECTOR_BLOCK (ATen computes the tail of a
+    loop that is not a whole SIMD chunk with the scalar libm function, whose bits differ from the vector one)."""
+    flat = x.contiguous().reshape(-1)
+    pieces = []
+    for start in range(0, flat.numel(), ELEMENTWISE_BLOCK):
+        block = flat[start : start + ELEMENTWISE_BLOCK]
+        count = block.numel()
+        if count % VECTOR_BLOCK:
+            block = torch.cat([block, block.new_zeros(VECTOR_BLOCK - count % VECTOR_BLOCK)])
+        pieces.append(func(block, *args, **kwargs)[:count])
+    out = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+    return out.reshape(x.shape)
+
+
+def _elementwise_(func, x: torch.Tensor, *args, **kwargs):
+    """The in-place form: computed as `_elementwise` of the out-of-place op, written back into x."""
+    return x.copy_(_elementwise(_OUT_OF_PLACE[func], x, *args, **kwargs))
+
+
+_OUT_OF_PLACE = {aten.sigmoid_.default: aten.sigmoid.default, aten.exp_.default: aten.exp.default,
+                 aten.tanh_.default: aten.tanh.default, aten.silu_.default: aten.silu.default}
+_TRANSCENDENTAL = (aten.sigmoid.default, aten.silu.default, aten.exp.default, aten.exp2.default, aten.log.default,
+                   aten.log2.default, aten.log1p.default, aten.expm1.default, aten.tanh.default, aten.sin.default,
+                   aten.cos.default, aten.erf.default, aten.gelu.default, aten.softplus.default,
+                   aten.pow.Tensor_Scalar)
+
+_HANDLERS = {**{op: _elementwise for op in _TRANSCENDENTAL}, **{op: _elementwise_ for op in _OUT_OF_PLACE},
+             aten.linear.default: _linear, aten.mm.default: _mm, aten.matmul.default: _matmul,
+             aten.addmm.default: _addmm, aten.bmm.default: _bmm}
+_DECOMPOSED = frozenset({aten.einsum.default})  # run as the products they are made of, each through a handler
+
+
+class BatchInvariantMode(TorchDispatchMode):
+    """Under it, every linear / mm / addmm / matmul (with a 2-D right side) and every product of a bmm runs on at
+    least MIN_ROWS rows; einsum runs as the bmm / mm calls it is made of."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _DECOMPOSED:
+            with self:
+                return func.decompose(*args, **(kwargs or {}))
+        handler = _HANDLERS.get(func)
+        if handler is None or not args[0].is_floating_point():
+            return func(*args, **(kwargs or {}))
+        return handler(func, *args, **(kwargs or {}))
