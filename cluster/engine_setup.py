@@ -46,6 +46,7 @@ class EngineOptions:
             raise ValueError(f"max_steps_per_call must be >= 1, got {self.max_steps_per_call}")
 
 
+DETERMINISTIC_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")  # what --enable-deterministic-inference is tested on
 LOCAL_CP = ResolvedCPConfig(enabled=False, cp_size=1, strategy=None, impl="legacy")
 
 
@@ -86,7 +87,12 @@ def check_options_for_model(model_dir, cp: ResolvedCPConfig, options: EngineOpti
     """The options against the scheduler's rules and the model (e.g. a KV format it cannot use), before launch;
     returns them with `dtype` "auto" resolved against the checkpoint."""
     scheduler_for(cp, options)
-    check_kv_cache_dtype(options.kv_cache_dtype, load_model_config(model_dir).model_type)
+    model_type = load_model_config(model_dir).model_type
+    check_kv_cache_dtype(options.kv_cache_dtype, model_type)
+    if options.deterministic and model_type not in DETERMINISTIC_MODEL_TYPES:
+        raise ValueError(f"--enable-deterministic-inference is built for {', '.join(DETERMINISTIC_MODEL_TYPES)}; "
+                         f"{model_type} is not batch-invariant yet (its compressed attention pools data-dependent "
+                         "shapes); serve it without the flag")
     device = "cuda" if options.use_gpu else "cpu"
     return replace(options, dtype=resolve_dtype_name(options.dtype, model_dir, device))
 

@@ -20,7 +20,7 @@ import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
 from model_workers.backends.cp_backend import CPBackend
-from model_workers.batch_invariant import BatchInvariantMode
+from model_workers.model.batch_invariant import BatchInvariantMode
 from model_workers.checkpoint.loader import LoadReport, load_model_with_report
 from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, free_port
 from model_workers.cp_prefill import PrefillContext, run_prefill

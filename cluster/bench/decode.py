@@ -15,12 +15,13 @@ import json
 import time
 
 from cluster.bench.common import PROMPTS, spelled_command
-from cluster.commands.args import add_dtype_argument, add_speculative_argument, int_list
+from cluster.commands.args import add_deterministic_argument, add_dtype_argument, add_speculative_argument, int_list
 from cluster.config import MAX_SPECULATIVE_STEPS
 
 FORMULA = "(1 - a^(k+1)) / (1 - a), a = accepted / drafted"
 SPEEDUP_FORMULA = "E / (k*c + v): E mean accepted length, c draft cost per token and v verify cost, in plain steps"
-DECODE_FLAGS = ("model", "speculative_num_steps", "batch_size", "max_tokens", "temperature", "dtype", "steps_per_call", "ray")
+DECODE_FLAGS = ("model", "speculative_num_steps", "batch_size", "max_tokens", "temperature", "dtype", "steps_per_call",
+                "ray", "enable_deterministic_inference")
 
 
 def add_parser(kinds) -> None:
@@ -32,6 +33,7 @@ def add_parser(kinds) -> None:
     decode.add_argument("--temperature", type=float, default=0.0)
     add_dtype_argument(decode, default="bfloat16", allow_auto=False)
     decode.add_argument("--steps-per-call", type=int, default=4, help="decode steps per worker call")
+    add_deterministic_argument(decode)
     decode.add_argument("--ray", action="store_true",
                         help="decode on a Ray worker actor as `serve` does (default: a worker in this process)")
     decode.add_argument("--json", action="store_true", help="print one JSON object")
@@ -51,7 +53,8 @@ def measure(model_dir, k: int, batch: int, args) -> dict:
     tokenizer = load_tokenizer(model_dir)
     prompts = [encode(tokenizer, p) if tokenizer else [1 + i, 2 + i, 3 + i] for i, p in enumerate(PROMPTS)]
     options = EngineOptions(args.dtype, num_pages=batch * (args.max_tokens // 16 + 4), page_size=16,
-                            num_speculative_steps=k, max_steps_per_call=args.steps_per_call)
+                            num_speculative_steps=k, max_steps_per_call=args.steps_per_call,
+                            deterministic=args.enable_deterministic_inference)
     engine, close = open_engine(model_dir, options, args.ray)
 
     def requests(tag: str, max_tokens: int, first: int):
@@ -142,7 +145,7 @@ def run_decode(args: argparse.Namespace) -> int:
     add_cost_model(runs)
     result = {"bench": "decode", "command": spelled_command("decode", args, DECODE_FLAGS), "model": str(model_dir),
               "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "engine": "ray worker" if args.ray else "in-process worker", "formula": FORMULA,
+              "deterministic": args.enable_deterministic_inference, "engine": "ray worker" if args.ray else "in-process worker", "formula": FORMULA,
               "speedup_formula": SPEEDUP_FORMULA, "runs": runs}
     if args.plot:
         from cluster.bench.plot import save_plot

@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import spelled_command
-from cluster.commands.args import add_cp_arguments, add_dtype_argument, add_kv_cache_dtype_argument, int_list
+from cluster.commands.args import (
+    add_cp_arguments,
+    add_deterministic_argument,
+    add_dtype_argument,
+    add_kv_cache_dtype_argument,
+    int_list,
+)
 from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, max_over_mean
 from cp_router.cp.strategies import CP_STRATEGIES
 from model_workers.precision import storage_dtype
@@ -35,7 +41,7 @@ V4_GATHER_FORMULA = ("(C-1)/C * L * (layers * head_dim + CSA layers * 4 * (head_
 V4_TOKEN_FORMULA = "(CSA layers * (head_dim + index_head_dim) / 4 + HCA layers * head_dim / 128) * dtype_bytes"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
 PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "kv_cache_dtype",
-                 "repeats", "skip_equal_cores")
+                 "repeats", "skip_equal_cores", "enable_deterministic_inference")
 PATHS = {"served": "the prompt in chunks of prefill_chunk_tokens, one engine step each (what serve runs)",
          "one_batch": "the whole prompt as one prefill batch (one engine step)"}
 
@@ -47,6 +53,7 @@ def add_parser(kinds) -> None:
     prefill.add_argument("--prompt-len", default=DEFAULT_LENGTHS, help="tokens per prompt, or a comma list")
     add_dtype_argument(prefill, default="bfloat16", allow_auto=False)
     add_kv_cache_dtype_argument(prefill)
+    add_deterministic_argument(prefill)
     prefill.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     prefill.add_argument("--repeats", type=int, default=1, help="timed prefills per length (median kept)")
     prefill.add_argument("--skip-equal-cores", action="store_true", help="no C=1 run with C threads")
@@ -93,9 +100,10 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
 
     options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64,
                             threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"),
-                            kv_cache_dtype=args.kv_cache_dtype)
+                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference)
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
-                         threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype)
+                         threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype,
+                         deterministic=options.deterministic)
     try:
         paths = served_and_one_batch(model_dir, cp, group.workers, options, prompts, args.repeats)
         kv_per_token = ray.get(group.workers[0].kv_bytes_per_token.remote())
@@ -175,6 +183,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
         "model": str(model_dir), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
+        "deterministic": args.enable_deterministic_inference,
         "cpu_count": os.cpu_count(),
         "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "ep_size": cp.ep_size,
         "repeats": args.repeats,

@@ -14,6 +14,7 @@ import torch
 
 from model_workers.expert_parallel import ExpertExchange
 from model_workers.kv_cache import PagedKVCache
+from model_workers.model.batch_invariant import outside_mode
 from model_workers.model.sparse_ops import batched_causal_topk, causal_topk, sparse_mla_attention
 
 BATCHED_TOPK_MAX_ROWS = 16  # requests with at most this many new rows each share one top-k pass
@@ -56,6 +57,10 @@ class TorchBackend:
         self.cache.write(layer_id, self.batch.write_slots, latent_rows, index_rows)
 
     def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+        with outside_mode(self.deterministic):
+            return self._select(layer_id, index_q, index_weights, topk)
+
+    def _select(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
         batch = self.batch
         width = topk if self.deterministic else min(topk, max((len(s) for s in batch.key_slots), default=0))
         out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=index_q.device)
@@ -102,8 +107,9 @@ class TorchBackend:
         self, layer_id: int, q_latent: torch.Tensor, q_pe: torch.Tensor, topk_ids: torch.Tensor, scale: float
     ) -> torch.Tensor:
         cache = self.cache
-        return sparse_mla_attention(q_latent, q_pe, cache.latent[layer_id], topk_ids, scale,
-                                    decode=cache.latent_format.decode)
+        with outside_mode(self.deterministic):  # one shape per product (topk wide): batch-invariant as it is
+            return sparse_mla_attention(q_latent, q_pe, cache.latent[layer_id], topk_ids, scale,
+                                        decode=cache.latent_format.decode)
 
 
 def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:

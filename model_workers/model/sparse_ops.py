@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from model_workers.model.batch_invariant import padded_rows
+
 Decode = Callable[[torch.Tensor, torch.dtype], torch.Tensor]  # stored rows [..., W], dtype -> values [..., D]
 
 
@@ -31,6 +33,7 @@ def rows_per_chunk(bytes_per_row: int, budget_bytes: int = DEFAULT_BUDGET_BYTES)
 
 QUERY_TILE = 64  # indexer query rows per tile
 KEY_TILE = 1024  # indexer keys per tile: a [64, H, 1024] fp32 tile stays in cache (5-10x faster on CPU)
+KEY_BLOCK = 64  # deterministic inference: tiles are whole blocks (a score's bits equal at 64..1024 keys, measured)
 
 
 def indexer_scores(
@@ -40,19 +43,21 @@ def indexer_scores(
     """score[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s]) in float32, computed (and decoded) KEY_TILE keys at a time.
 
     index_q [Tc, H, D]; index_weights [Tc, H] (all scales folded in); keys [K, W] stored rows -> [Tc, K].
-    `fixed_tiles` (deterministic inference): the last tile is zero-padded to KEY_TILE keys, so every product has
-    one shape and a score's bits do not depend on how many keys the request has.
+    `fixed_tiles` (deterministic inference): the last tile is zero-padded to whole KEY_BLOCKs and the query rows
+    to MIN_ROWS, so a score's bits depend neither on how many keys the request has nor on the queries beside it.
     """
     num_rows, num_heads, dim = index_q.shape
     q_flat = index_q.float().reshape(num_rows * num_heads, dim)  # [Tc*H, D]
+    if fixed_tiles:
+        q_flat, _ = padded_rows(q_flat)  # at least MIN_ROWS rows: the product's bits do not depend on Tc
     weights = index_weights.float()[:, None, :]  # [Tc, 1, H]
     out = torch.empty(num_rows, keys.shape[0], dtype=torch.float32, device=keys.device)
     for start in range(0, keys.shape[0], KEY_TILE):
         block = decode(keys[start : start + KEY_TILE], torch.float32)  # [Kb, D]
         count = block.shape[0]
-        if fixed_tiles and count < KEY_TILE:
-            block = torch.cat([block, block.new_zeros(KEY_TILE - count, block.shape[1])])  # [KEY_TILE, D]
-        dots = torch.matmul(q_flat, block.t()).clamp_min_(0).view(num_rows, num_heads, -1)  # [Tc, H, Kb]
+        if fixed_tiles and count % KEY_BLOCK:
+            block = torch.cat([block, block.new_zeros(KEY_BLOCK - count % KEY_BLOCK, block.shape[1])])
+        dots = torch.matmul(q_flat, block.t())[: num_rows * num_heads].clamp_min_(0).view(num_rows, num_heads, -1)
         out[:, start : start + count] = torch.bmm(weights, dots)[:, 0, :count]  # [Tc, Kb]
     return out
 

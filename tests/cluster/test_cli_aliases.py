@@ -78,3 +78,11 @@ def test_vllm_tool_and_reasoning_flags_reach_the_ingress(capsys):
     err = capsys.readouterr().err
     assert "--enable-auto-tool-choice) needs tool_call_parser (--tool-call-parser {deepseek_v32," in err
     assert err.count("\n") == 1
+
+
+def test_deterministic_inference_flag_reaches_the_engine_options():
+    from cluster.serve_app import engine_options
+
+    got = settings(["serve", "--enable-deterministic-inference"])
+    assert got.enable_deterministic_inference and engine_options(got, resolve_model_dir(None)).deterministic
+    assert not engine_options(settings(["serve"]), resolve_model_dir(None)).deterministic

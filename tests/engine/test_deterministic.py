@@ -14,7 +14,7 @@ from cluster.config import ResolvedCPConfig
 from cluster.engine_setup import EngineOptions, engine_over_workers
 from cluster.launch import engine_cpus, launch_group, start_ray
 from cp_router.protocol import EngineRequest
-from model_workers.batch_invariant import BatchInvariantMode
+from model_workers.model.batch_invariant import BatchInvariantMode
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.runner import ExtendItem, ModelRunner
@@ -141,3 +141,33 @@ def test_cp_and_ep_give_the_bits_of_one_rank_whichever_rank_owns_it(alone, group
             if step.prefill is not None else None)
         assert outcome(engine, requests) == alone
     assert owners == {0, 1}
+
+
+def test_deepseek_v4_is_refused_before_any_worker_starts(tmp_path):
+    """Measured: V4's outputs still depend on the batch under the mode (its pooled compressed attention), so the
+    flag says so instead of promising bits it does not deliver."""
+    from support.v4_checkpoints import v4_checkpoint_with_mtp
+
+    _, _, folder = v4_checkpoint_with_mtp(tmp_path)
+    with pytest.raises(ValueError, match="built for deepseek_v32, glm_moe_dsa; deepseek_v4 is not batch-invariant"):
+        local_engine(folder, EngineOptions(deterministic=True))
+
+
+def test_glm5_shared_indexer_and_mtp_index_sharing_stay_bit_exact(reference_checkpoint):
+    """GLM-5's layout: shared-indexer layers reuse a full layer's top-k (6 keys here, so selection is active
+    from the 7th token on) and its MTP layer shares its top-k across draft steps."""
+    _, folder = reference_checkpoint("glm_shared", mtp=True)
+
+    def requests(vocab=128):
+        def ids(n, s):
+            return tuple(torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(s)).tolist())
+        target = EngineRequest("target", ids(90, 0), 12, temperature=0.0, ignore_eos=True, logprobs=2)
+        return target, [EngineRequest(f"o{i}", ids(5 + 23 * i, i + 1), 3 + i, temperature=0.0, ignore_eos=True)
+                        for i in range(8)]
+
+    target, others = requests()
+    glm = dict(dtype="float32", num_pages=64, page_size=16, deterministic=True)
+    alone = outcome(local_engine(folder, EngineOptions(**glm, prefill_token_budget=512)), [target])
+    for budget, k in ((512, 0), (32, 0), (32, 2)):
+        engine = local_engine(folder, EngineOptions(**glm, prefill_token_budget=budget, num_speculative_steps=k))
+        assert outcome(engine, [*others[:4], target, *others[4:]]) == alone, (budget, k)
