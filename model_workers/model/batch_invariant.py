@@ -1,21 +1,23 @@
-"""`--enable-deterministic-inference`: matrix products whose rows do not depend on the rows beside them.
+"""`--enable-deterministic-inference`: torch ops whose results for a row do not depend on the rows beside it.
 
-Measured with torch 2.13 on this CPU (`dsa-serve bench determinism` prints the probe): a float32 `linear` of one
-row gives other bits alone (M = 1) or beside one to three rows (M = 2, 3) than in a batch of 4 or more; from 32
-rows on, a row's bits are the same in every batch size up to 4,096 (and rows deep in a large batch equal the
-same rows alone in a 32-row call), at 1 and 2 threads alike. Row-wise reductions (RMSNorm's mean, softmax,
-log-softmax) and batched matmuls over a batch of fixed-shape products gave the same bits at every row count.
+Measured with torch 2.13 on this CPU, 1 and 2 threads alike:
+- A float32 `linear` of one row gives other bits alone (M = 1) than beside one to three rows (M = 2, 3), and
+  those differ from M >= 4. From 32 rows on, a row's bits are the same in every batch size up to 4,096, and
+  rows deep in a large batch equal the same rows in a 32-row call. Padding to 4 rows only was not enough for a
+  whole model run (some product still moved), so the rule is MIN_ROWS = 32: every linear / mm / addmm / matmul
+  with fewer rows runs on MIN_ROWS, the extra rows zero (then dropped). A bmm applies it per product (the
+  einsum of MLA's absorption "thn,hnc->thc" is a bmm over heads whose products have T rows).
+- Transcendental elementwise ops (sigmoid, exp, silu, cos, ...) differ by position: ATen runs whole SIMD chunks
+  through the vector function and a loop's tail through the scalar libm one, and the two differ in the last
+  bit. A MoE gate's sigmoid over [T, 8] scores gave an element other bits at T = 1 (all tail) than at T = 4.
+  They run contiguous, in blocks that are whole chunks and that no thread split cuts.
+- Row-wise reductions (RMSNorm's mean, softmax, log-softmax, layer norm), bmm over fixed-shape products, and
+  exact ops (add, mul, div, sqrt, gather, sort) gave the same bits at every row count.
 
-So one rule suffices for the weight products: every linear / mm / matmul of fewer than MIN_ROWS rows runs on
-MIN_ROWS rows, the extra ones zero (then dropped). Transcendental elementwise ops (sigmoid, exp, silu, ...) need
-a second rule: ATen runs whole SIMD chunks through the vector function and the tail of a loop through the
-scalar libm one, and the two differ in the last bit, so a MoE gate's sigmoid over [T, 8] scores gave an
-element other bits at T = 1 (all tail) than at T = 4 (measured on this engine); they run contiguous, in blocks
-that are whole chunks and that no thread split cuts. `BatchInvariantMode` applies it to every such call made under
-it (torch dispatch); the shapes that depend on data (how many keys a request has, how many it selects) are
-made fixed by the backend itself in this mode (`deterministic` on `TorchBackend`). Batched products (bmm, and the
-bmm an einsum such as MLA's absorption "thn,hnc->thc" becomes) have the same rule per product: the rows of each
-of the B products are padded.
+`BatchInvariantMode` (a torch dispatch mode) applies the rules to every call made under it: each worker step
+runs under it. What depends on the data (how many keys a request has, how many it selects) the backend makes
+fixed itself (`deterministic` on `TorchBackend`); its top-k and attention then run outside the mode
+(`outside_mode`), which costs about 10 us per op it sees.
 """
 
 from __future__ import annotations

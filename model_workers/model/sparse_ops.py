@@ -102,7 +102,7 @@ def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int, stabl
     scores.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
     width = min(width, scores.shape[1])
     if stable:
-        picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # [Tc, width]
+        picked = earliest_topk(scores, width)  # [Tc, width]
     else:
         picked = scores.topk(width, dim=-1).indices  # [Tc, width]
     picked = torch.where(torch.isinf(scores.gather(1, picked)), -1, picked)
@@ -111,6 +111,18 @@ def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int, stabl
         all_keys = key_positions[:width].expand(int(short.sum()), width)
         picked[short] = torch.where(all_keys <= positions[short][:, None], all_keys, -1)
     return picked
+
+
+def earliest_topk(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """The `width` largest of each row [Tc, K'], a tie at the k-th value going to the earliest keys; returned in
+    key order [Tc, width]. Only the k-th value and counts are used, so trailing -inf keys (positions past the
+    query) change nothing, and it costs a few passes over the row rather than a sort."""
+    kth = scores.topk(width, dim=-1).values[:, -1:]  # [Tc, 1] the k-th largest value
+    above = scores > kth
+    tied = scores == kth
+    room = width - above.sum(-1, keepdim=True)  # [Tc, 1] tied keys to take
+    chosen = above | (tied & (tied.cumsum(-1) <= room))  # exactly `width` per row
+    return chosen.nonzero()[:, 1].view(scores.shape[0], width)
 
 
 def batched_causal_topk(

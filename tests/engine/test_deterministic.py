@@ -15,6 +15,7 @@ from cluster.engine_setup import EngineOptions, engine_over_workers
 from cluster.launch import engine_cpus, launch_group, start_ray
 from cp_router.protocol import EngineRequest
 from model_workers.model.batch_invariant import BatchInvariantMode
+from model_workers.model.sparse_ops import earliest_topk
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.runner import ExtendItem, ModelRunner
@@ -54,6 +55,13 @@ def outcome(engine, requests: list[EngineRequest], wanted: str = "target") -> tu
         return dict(zip([r.request_id for r in requests], await asyncio.gather(*[collect(r) for r in requests])))
 
     return asyncio.run(main())[wanted]
+
+
+def test_earliest_topk_breaks_ties_towards_earlier_keys_whatever_follows():
+    scores = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0]])
+    assert earliest_topk(scores, 3).tolist() == [[0, 1, 3]]  # 2 and 1, then the first of the tied zeros
+    longer = torch.cat([scores, torch.full((1, 5), float("-inf"))], dim=1)
+    assert earliest_topk(longer, 3).tolist() == [[0, 1, 3]]
 
 
 @pytest.fixture(scope="module")
