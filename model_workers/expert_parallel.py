@@ -121,7 +121,7 @@ class ExpertExchange:
         else:
             partial = experts(*rows_in)  # [S, H]
         returned = self.comm.all_to_all_rows(partial, rows_per_rank, [num_rows] * size, "experts")  # [C*T, H']
-        summed = returned.view(size, num_rows, -1).sum(0)  # [T, H']
+        summed = returned.view(size, num_rows, partial.shape[1]).sum(0)  # [T, H']
         if self.deterministic:
             return sum_in_expert_order(summed.view(num_rows, top_k, hidden), expert_ids)
         return summed  # [T, H]
