@@ -37,6 +37,10 @@ bench: install
 	$(DSA) bench kv-cache --json > $(BENCH_DIR)/kv_cache.json
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype bfloat16 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_bfloat16.json
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype fp8_e4m3 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_fp8_e4m3.json
+	$(DSA) bench decode --speculative-num-steps 0 --batch-size 1,8,32 --max-tokens 32 --json > $(BENCH_DIR)/decode_plain_pair.json
+	$(DSA) bench decode --speculative-num-steps 0 --batch-size 1,8,32 --max-tokens 32 --enable-deterministic-inference --json > $(BENCH_DIR)/decode_deterministic.json
+	$(DSA) bench prefill --cp-size 2 --prompt-len 8192 --skip-equal-cores --json > $(BENCH_DIR)/prefill_plain_pair.json
+	$(DSA) bench prefill --cp-size 2 --prompt-len 8192 --skip-equal-cores --enable-deterministic-inference --json > $(BENCH_DIR)/prefill_deterministic.json
 	$(DSA) random-checkpoint --out build/v4_small --shape small
 	$(DSA) bench prefill --model build/v4_small --cp-size 2 --cp-strategy interleave --cp-impl v2 --prompt-len 1024,2048,4096 --repeats 2 --json > $(BENCH_DIR)/prefill_v4.json
 	$(DSA) bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes.md
