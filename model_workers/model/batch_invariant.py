@@ -86,6 +86,8 @@ def _elementwise(func, x: torch.Tensor, *args, **kwargs):
     """A transcendental elementwise op on every element through the vectorized path: contiguous, in calls of
     ELEMENTWISE_BLOCK elements, the last one padded to a multiple of VECTOR_BLOCK (ATen computes the tail of a
     loop that is not a whole SIMD chunk with the scalar libm function, whose bits differ from the vector one)."""
+    if x.numel() == 0:
+        return func(x, *args, **kwargs)
     flat = x.contiguous().reshape(-1)
     pieces = []
     for start in range(0, flat.numel(), ELEMENTWISE_BLOCK):
