@@ -118,6 +118,16 @@ def test_dockerfile_matches_the_project():
     assert any(kind == "RUN" and '".[gpu]"' in arg for kind, arg in instructions)
 
 
+def test_the_image_pins_the_ray_of_the_manifest_and_has_the_probes_tool(rayservice):
+    """KubeRay starts head and workers from this image with `rayVersion`; its default probes run wget."""
+    instructions = dockerfile_instructions()
+    arguments = dict(arg.split("=", 1) for kind, arg in instructions if kind == "ARG" and "=" in arg)
+    assert arguments["RAY_VERSION"] == rayservice["spec"]["rayClusterConfig"]["rayVersion"]
+    runs = [arg for kind, arg in instructions if kind == "RUN"]
+    assert any('"ray[serve]==${RAY_VERSION}"' in run for run in runs)
+    assert any("apt-get install" in run and " wget" in run for run in runs)
+
+
 def test_grafana_dashboard_uses_existing_metrics_and_covers_them_all():
     text = (DEPLOY / "grafana" / "dsa-serve-dashboard.json").read_text()
     dashboard = json.loads(text)
