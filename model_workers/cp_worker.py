@@ -20,13 +20,13 @@ import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
 from model_workers.backends.cp_backend import CPBackend
-from model_workers.model.batch_invariant import BatchInvariantMode
 from model_workers.checkpoint.loader import LoadReport, load_model_with_report
 from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, free_port
 from model_workers.cp_prefill import PrefillContext, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
 from model_workers.kv_cache import PageTable
+from model_workers.model.batch_invariant import BatchInvariantMode
 from model_workers.phase_clock import PhaseClock
 from model_workers.precision import compute_dtype, storage_dtype
 from model_workers.runner import ModelRunner, make_backend

@@ -22,11 +22,11 @@ import json
 from typing import Any
 
 from cluster.http_api.errors import bad_request
+from cluster.http_api.reasoning import THINK_END, THINK_START
 from cluster.http_api.tool_parsers import DSML
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-THINK_START, THINK_END = "<think>", "</think>"
 MODEL_TYPES = frozenset({"deepseek_v32"})  # checkpoints that get this encoding when they ship no template
 
 TOOLS_SECTION = f"""## Tools

@@ -49,7 +49,6 @@ def _only(no_op: Any) -> Callable[[Any], Any]:
     return check
 
 
-ZeroOnly = Annotated[Any, AfterValidator(_only(0))]
 TextFormatOnly = Annotated[Any, AfterValidator(_only({"type": "text"}))]
 OneOnly = Annotated[Any, AfterValidator(_only(1))]
 EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]

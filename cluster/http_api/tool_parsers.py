@@ -44,6 +44,7 @@ ParamTypes = dict[str, dict[str, Any]]  # tool name -> parameter name -> its JSO
 
 class ToolCallFormat(Protocol):
     start: str  # where the tool-call part of an output begins
+    call_end: str  # what closes one complete call
 
     def parse(self, section: str, param_types: ParamTypes) -> list[ParsedCall]:
         """The complete calls in `section` (text from `start` on), in order; incomplete ones are left out."""
@@ -67,7 +68,7 @@ class DSMLFormat:
     """DeepSeek's DSML (`block`: "function_calls" for V3.2, "tool_calls" for V4)."""
 
     def __init__(self, block: str):
-        self.start, self.end = f"<{DSML}{block}>", f"</{DSML}{block}>"
+        self.start, self.end, self.call_end = f"<{DSML}{block}>", f"</{DSML}{block}>", f"</{DSML}invoke>"
         dsml = re.escape(DSML)
         self.invoke = re.compile(rf'<{dsml}invoke\s+name="([^"]*)"\s*>(.*?)</{dsml}invoke>', re.DOTALL)
         self.parameter = re.compile(rf'<{dsml}parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)'
@@ -90,7 +91,8 @@ class DSMLFormat:
 class GLMFormat:
     """GLM's `<tool_call>` blocks (`newlines`: GLM-4.5's layout, a newline after the name and each tag)."""
 
-    start, end = "<tool_call>", "</tool_call>"
+    start = "<tool_call>"
+    call_end = "</tool_call>"
     call = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     argument = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 

@@ -44,6 +44,7 @@ class ToolCallStream:
         self.setup = setup
         self.pending = setup.forced_prefix  # content held back (a possible marker start), or the forced opening
         self.section: str | None = None  # the text from the opening marker on, once it appeared
+        self.searched = 0  # characters of `section` already searched for the end of a call
         self.emitted: list[EmittedCall] = []
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[EmittedCall]]:
@@ -69,6 +70,13 @@ class ToolCallStream:
         return keep + len(body) - len(body.rstrip())
 
     def _section_delta(self, final: bool) -> tuple[str, list[EmittedCall]]:
+        """Parses the section again only when a call may have closed since the last search (a long argument
+        streamed token by token would otherwise be re-parsed at every token)."""
+        call_end = self.setup.format.call_end
+        closed = self.section.find(call_end, max(0, self.searched - len(call_end) + 1)) >= 0
+        self.searched = len(self.section)
+        if not (closed or final):
+            return "", []
         calls = self.setup.format.parse(self.section, self.setup.param_types)
         if not self.setup.parallel:
             calls = calls[:1]

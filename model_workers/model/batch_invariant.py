@@ -22,7 +22,7 @@ fixed itself (`deterministic` on `TorchBackend`); its top-k and attention then r
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -53,11 +53,9 @@ def _mm(func, a: torch.Tensor, b: torch.Tensor):
 
 
 def _matmul(func, a: torch.Tensor, b: torch.Tensor):
-    if b.dim() != 2 or a.dim() < 1:  # batched products: each of fixed shape (batch-invariant as they are)
+    if b.dim() != 2:  # batched products: each of fixed shape (batch-invariant as they are)
         return func(a, b)
-    if a.dim() == 1:
-        return _mm(func, a[None], b)[0]
-    flat, rows = padded_rows(a)
+    flat, rows = padded_rows(a)  # a 1-D `a` is one row
     out = func(flat, b)[:rows]
     return out.reshape(*a.shape[:-1], out.shape[-1])
 
@@ -132,13 +130,7 @@ class BatchInvariantMode(TorchDispatchMode):
         return handler(func, *args, **(kwargs or {}))
 
 
-@contextmanager
-def _outside_modes():
-    with _disable_current_modes():
-        yield
-
-
 def outside_mode(deterministic: bool):
     """Code that is batch-invariant by construction in deterministic mode (the backend's fixed-shape top-k and
     attention) runs outside `BatchInvariantMode`, sparing it the mode's per-op cost (about 10 us an op here)."""
-    return _outside_modes() if deterministic else nullcontext()
+    return _disable_current_modes() if deterministic else nullcontext()

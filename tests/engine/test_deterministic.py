@@ -14,10 +14,10 @@ from cluster.config import ResolvedCPConfig
 from cluster.engine_setup import EngineOptions, engine_over_workers
 from cluster.launch import engine_cpus, launch_group, start_ray
 from cp_router.protocol import EngineRequest
-from model_workers.model.batch_invariant import BatchInvariantMode
-from model_workers.model.sparse_ops import earliest_topk
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
+from model_workers.model.batch_invariant import BatchInvariantMode
+from model_workers.model.sparse_ops import earliest_topk
 from model_workers.runner import ExtendItem, ModelRunner
 from support.cp_cluster import cache_rows
 from support.engines import local_engine
