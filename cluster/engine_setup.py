@@ -10,10 +10,12 @@ from cluster.config import ResolvedCPConfig, check_speculative_steps
 from cluster.engine_limits import EngineLimits, kv_room, resolve_limits
 from cluster.launch import CPGroup, launch_group
 from cluster.local_worker import InProcessWorker
+from cluster.rank_repair import RayRankRepair
 from cp_router.cp.strategies import cp_alignment
 from cp_router.engine import GenerationEngine
 from cp_router.metrics import ServeMetrics
 from cp_router.protocol import EngineRequest, ModelInfo
+from cp_router.recovery import GroupRepair
 from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.checkpoint.capacity import cache_bytes_per_token
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
@@ -98,16 +100,18 @@ def check_options_for_model(model_dir, cp: ResolvedCPConfig, options: EngineOpti
 
 
 def engine_over_workers(model_dir, cp: ResolvedCPConfig, options: EngineOptions, workers: list,
-                        metrics: ServeMetrics | None = None, text: CheckpointText | None = None) -> GenerationEngine:
+                        metrics: ServeMetrics | None = None, text: CheckpointText | None = None,
+                        repair: GroupRepair | None = None) -> GenerationEngine:
     """A `GenerationEngine` over already launched rank workers (Ray actor handles, or one in-process worker).
 
-    `text`: the checkpoint's tokenizer and chat template if the caller loaded them (else they are read here)."""
+    `text`: the checkpoint's tokenizer and chat template if the caller loaded them (else they are read here).
+    `repair`: how lost ranks are replaced (cluster/rank_repair.py); None: a lost rank ends every request."""
     config = load_model_config(model_dir)
     text = text or load_checkpoint_text(model_dir)
     info = ModelInfo(Path(model_dir).name, config.vocab_size,
                      effective_max_model_len(config.max_position_embeddings, options), text.chat_template is not None)
     return GenerationEngine(workers, scheduler_for(cp, options), text.tokenizer, info, metrics,
-                            max_waiting=options.max_queued_requests)
+                            max_waiting=options.max_queued_requests, repair=repair)
 
 
 def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOptions,
@@ -117,7 +121,7 @@ def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOpt
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                          threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu,
                          kv_cache_dtype=options.kv_cache_dtype, deterministic=options.deterministic)
-    return engine_over_workers(model_dir, cp, options, group.workers, metrics), group
+    return engine_over_workers(model_dir, cp, options, group.workers, metrics, repair=RayRankRepair(group.launch)), group
 
 
 def start_local_engine(model_dir: str | Path, options: EngineOptions,

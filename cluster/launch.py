@@ -5,7 +5,8 @@ One placement group per engine with C bundles (`{"GPU": 1}` each when CUDA is av
 the launcher passes to every rank. A group that cannot be placed fails after a timeout with an error
 naming what it asked for; `CPGroup.shutdown` kills the actors and removes the placement group. The engine
 that drives a group runs where its caller is (this process, or a Serve replica): see cluster/engine_setup.py.
-`start_workers` alone puts the workers into bundles of a placement group the caller owns (a Serve replica's).
+`start_workers` alone puts the workers into bundles of a placement group the caller owns (a Serve replica's),
+as a `RankLaunch` describes; the engine's repair (cluster/rank_repair.py) starts a lost rank's replacement the same way.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ class CPGroup:
     """Handles of one launched CP group: its rank workers (Ray actors) and their placement group."""
 
     cp: ResolvedCPConfig
-    workers: list
+    workers: list  # by cp_rank; the engine's repair replaces lost ones in this list
     placement: object
+    launch: RankLaunch
 
     def shutdown(self) -> None:
         try:
@@ -101,27 +103,47 @@ def _place(cp_size: int, use_gpu: bool, timeout_s: float):
     return group
 
 
-def start_workers(model_dir: str | Path, cp_size: int, group, first_bundle: int, dtype: str, num_pages: int,
-                  page_size: int, threads_per_worker: int, use_gpu: bool, ep_size: int = 1,
-                  kv_cache_dtype: str = "auto", deterministic: bool = False) -> list:
-    """One CPWorker per rank in bundles first_bundle.. of `group`, joined in a process group, checkpoint loaded.
+@dataclass(frozen=True)
+class RankLaunch:
+    """How the rank workers of one group start: bundles first_bundle.. of `group` (a placement group), the
+    checkpoint and cache each loads. Kept by the engine's repair (cluster/rank_repair.py) to replace a lost rank."""
+
+    model_dir: str
+    cp_size: int
+    group: object  # the placement group
+    first_bundle: int
+    dtype: str
+    num_pages: int
+    page_size: int
+    threads_per_worker: int = 1
+    use_gpu: bool = False
+    ep_size: int = 1
+    kv_cache_dtype: str = "auto"
+    deterministic: bool = False
+
+    def create(self, cp_rank: int):
+        """A new (not yet joined, not loaded) worker actor for `cp_rank` in its bundle."""
+        resources = {"num_gpus": 1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 1}
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.first_bundle + cp_rank)
+        return ray.remote(CPWorker).options(**resources, scheduling_strategy=strategy).remote(
+            cp_rank, self.cp_size, self.threads_per_worker)
+
+    def load(self, worker):
+        """The ObjectRef of `worker` loading the checkpoint and a fresh cache."""
+        return worker.load.remote(self.model_dir, self.dtype, self.num_pages, self.page_size, self.ep_size,
+                                  self.kv_cache_dtype, self.deterministic)
+
+
+def start_workers(launch: RankLaunch) -> list:
+    """One CPWorker per rank, joined in a process group, checkpoint loaded.
 
     On failure the workers are stopped and the error re-raised; the placement group stays the caller's.
     """
-    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
-    worker_cls = ray.remote(CPWorker)
-    workers = [
-        worker_cls.options(
-            **resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first_bundle + r),
-        ).remote(r, cp_size, threads_per_worker)
-        for r in range(cp_size)
-    ]
+    workers = [launch.create(r) for r in range(launch.cp_size)]
     try:
         master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
         ray.get([w.init_comm.remote(master_addr, master_port) for w in workers])
-        ray.get([w.load.remote(str(model_dir), dtype, num_pages, page_size, ep_size, kv_cache_dtype, deterministic)
-                 for w in workers])
+        ray.get([launch.load(w) for w in workers])
     except Exception:
         stop_workers(workers)
         raise
@@ -143,10 +165,11 @@ def launch_group(
     """Places a group and starts its workers (one per CP rank, see `start_workers`)."""
     use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
     group = _place(cp.cp_size, use_gpu, placement_timeout_s)
+    launch = RankLaunch(str(model_dir), cp.cp_size, group, 0, dtype, num_pages, page_size, threads_per_worker,
+                        use_gpu, cp.ep_size, kv_cache_dtype, deterministic)
     try:
-        workers = start_workers(model_dir, cp.cp_size, group, 0, dtype, num_pages, page_size, threads_per_worker,
-                                use_gpu, cp.ep_size, kv_cache_dtype, deterministic)
+        workers = start_workers(launch)
     except Exception:
         remove_placement_group(group)
         raise
-    return CPGroup(cp, workers, group)
+    return CPGroup(cp, workers, group, launch)

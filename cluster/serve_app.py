@@ -32,7 +32,8 @@ from cluster.config import resolve_cp_settings
 from cluster.engine_limits import EngineLimits, limits_from
 from cluster.engine_setup import EngineOptions, check_options_for_model, engine_over_workers, limit_options
 from cluster.http_api.ingress import build_app
-from cluster.launch import start_workers
+from cluster.launch import RankLaunch, start_workers
+from cluster.rank_repair import RayRankRepair
 from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import IngressSettings, ServeAppArgs
 from cp_router.engine import GenerationEngine
@@ -73,11 +74,12 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
         raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "
                            "(placement_group_bundles); build the app with cluster.serve_app:app")
     options = check_options_for_model(model_dir, cp, options)
-    workers = start_workers(model_dir, cp.cp_size, group, 1, options.dtype, options.num_pages,
-                            options.page_size, options.threads_per_worker, bool(options.use_gpu), cp.ep_size,
-                            options.kv_cache_dtype, options.deterministic)
+    launch = RankLaunch(str(model_dir), cp.cp_size, group, 1, options.dtype, options.num_pages, options.page_size,
+                        options.threads_per_worker, bool(options.use_gpu), cp.ep_size, options.kv_cache_dtype,
+                        options.deterministic)
+    workers = start_workers(launch)
     metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
-    return engine_over_workers(model_dir, cp, options, workers, metrics, text)
+    return engine_over_workers(model_dir, cp, options, workers, metrics, text, repair=RayRankRepair(launch))
 
 
 ENGINE_MAX_ONGOING = 4096  # engine streams in flight per replica: each HTTP request holds one per choice
@@ -130,9 +132,20 @@ def configure_access_log() -> None:
     logger.setLevel(logging.INFO)
 
 
+class DrainableHTTP:
+    """The drain of an HTTP replica (DSAIngress, DSAServer), which `dsa-serve serve` broadcasts on SIGTERM."""
+
+    http_app: Any  # the FastAPI app of build_app, set by __serve_build_asgi_app__
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuses new generation requests (503 + Retry-After; /health 503) and waits up to `timeout_s` for the
+        ones in flight; returns how many are still running."""
+        return await self.http_app.state.admission.drain(timeout_s)
+
+
 @serve.deployment(name=INGRESS_DEPLOYMENT, logging_config=QUIET)
 @serve.ingress()
-class DSAIngress:
+class DSAIngress(DrainableHTTP):
     """The FastAPI app of cluster/ingress.py over a `ServeEngineClient`."""
 
     def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
@@ -140,12 +153,13 @@ class DSAIngress:
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
-        return build_app(await ServeEngineClient.connect(self.engine), self.settings)
+        self.http_app = build_app(await ServeEngineClient.connect(self.engine), self.settings)
+        return self.http_app
 
 
 @serve.deployment(name=SERVER_DEPLOYMENT, logging_config=QUIET)
 @serve.ingress()
-class DSAServer:
+class DSAServer(DrainableHTTP):
     """engine_placement="colocated": the HTTP app over an engine in the same process (no engine handle)."""
 
     def __init__(self, args: ServeAppArgs):
@@ -158,7 +172,8 @@ class DSAServer:
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
-        return build_app(self.engine, self.settings, self.text)
+        self.http_app = build_app(self.engine, self.settings, self.text)
+        return self.http_app
 
     async def check_health(self) -> None:
         await self.engine.check_health()

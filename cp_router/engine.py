@@ -20,7 +20,15 @@ from typing import AsyncIterator, Awaitable, Callable
 from cp_router.engine_stats import EngineStats
 from cp_router.metrics import ServeMetrics, track_stream
 from cp_router.plans import StepResult
-from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
+from cp_router.protocol import (
+    EngineChunk,
+    EngineOverloadedError,
+    EngineRequest,
+    EngineUnavailableError,
+    ModelInfo,
+    one_line,
+)
+from cp_router.recovery import MAX_RESUMES, RECOVERY_TIMEOUT_S, GroupRepair, RecoveryClock, RecoveryRecord
 from cp_router.request_stream import RequestStream, sampling_of
 from cp_router.scheduler import ScheduledStep, Scheduler
 
@@ -29,9 +37,14 @@ StepObserver = Callable[[ScheduledStep, list[StepResult]], Awaitable[None] | Non
 
 class GenerationEngine:
     def __init__(self, workers: list, scheduler: Scheduler, tokenizer, info: ModelInfo,
-                 metrics: ServeMetrics | None = None, max_waiting: int = 4096, stuck_after_s: float = 120.0):
+                 metrics: ServeMetrics | None = None, max_waiting: int = 4096, stuck_after_s: float = 120.0,
+                 repair: GroupRepair | None = None, max_resumes: int = MAX_RESUMES):
         self.workers, self.scheduler, self.tokenizer, self.info = workers, scheduler, tokenizer, info
         self.metrics, self.max_waiting, self.stuck_after_s = metrics, max_waiting, stuck_after_s
+        self.repair, self.max_resumes, self.recovery_timeout_s = repair, max_resumes, RECOVERY_TIMEOUT_S
+        self.recoveries: list[RecoveryRecord] = []
+        self._group_lock: asyncio.Lock | None = None  # one step, or one recovery, at a time
+        self._recovering = False
         self.streams: dict[str, RequestStream] = {}
         self.stats = EngineStats(accepted_per_position=[0] * scheduler.config.num_speculative_steps)
         self.step_observers: list[StepObserver] = []
@@ -86,12 +99,19 @@ class GenerationEngine:
             raise RuntimeError(f"engine step loop stopped: {self._task.exception()!r}")
         if self._group_error is not None:
             raise RuntimeError(self._group_error)
+        if self._recovering:
+            return  # a lost rank is being replaced (bounded by recovery_timeout_s)
         if self.scheduler.has_work() and time.monotonic() - self._last_progress > self.stuck_after_s:
             raise RuntimeError(f"engine step loop stuck: no step finished for {self.stuck_after_s:g}s")
         try:
             await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout=30)
         except Exception as exc:  # noqa: BLE001 - a dead or hung rank: one line naming the failure
-            raise RuntimeError(f"rank worker unreachable: {one_line(exc)}") from None
+            if self.repair is None:
+                raise RuntimeError(f"rank worker unreachable: {one_line(exc)}") from None
+            self._ensure_loop()
+            await self._recover_if_lost(f"health check: {one_line(exc)}")
+            if self._group_error is not None:
+                raise RuntimeError(self._group_error) from None
 
     # the loop -------------------------------------------------------------------------------------
     async def _chunks(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -130,10 +150,10 @@ class GenerationEngine:
                 await self._wake.wait()
                 continue
             try:
-                await self.step()
-            except Exception as exc:  # an engine failure ends every request; the loop keeps serving
-                await self._rejoin_group()  # the group is whole again before the requests hear of the failure
-                self._fail_all(exc)
+                async with self._lock():
+                    await self.step()
+            except Exception as exc:  # noqa: BLE001 - a lost rank is replaced, any other failure ends the requests
+                await self._after_failure(exc)
             await asyncio.sleep(0)
 
     async def step(self) -> None:
@@ -192,11 +212,68 @@ class GenerationEngine:
         except Exception as exc:  # noqa: BLE001 - a rank is gone: health checks report it from here on
             self._group_error = f"rank group could not be re-formed: {one_line(exc)}"
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self.streams.items()):
-            stream.fail(RuntimeError(f"engine step failed: {error!r}"))
+    def _fail_all(self, error: Exception) -> int:
+        """Ends every request with `error`; returns how many there were."""
+        request_ids = set(self.streams) | set(self.scheduler.requests)
+        for request_id in request_ids:
+            if (stream := self.streams.pop(request_id, None)) is not None:
+                stream.fail(error)
             self.scheduler.finish(request_id)
-        self.streams.clear()
+        return len(request_ids)
+
+    # recovery (cp_router/recovery.py) ---------------------------------------------------------------
+    def _lock(self) -> asyncio.Lock:
+        if self._group_lock is None:
+            self._group_lock = asyncio.Lock()
+        return self._group_lock
+
+    async def _after_failure(self, error: Exception) -> None:
+        """A step failed: replace lost ranks and resume every request; else the step's own error ends them."""
+        async with self._lock():
+            if lost := await self._lost_ranks():
+                await self._recover(lost, one_line(error))
+                return
+            await self._rejoin_group()  # the group is whole again before the requests hear of the failure
+            self._fail_all(RuntimeError(f"engine step failed: {error!r}"))
+
+    async def _recover_if_lost(self, cause: str) -> None:
+        """The health check found a rank that does not answer: recover now if it is still lost."""
+        async with self._lock():
+            if lost := await self._lost_ranks():
+                await self._recover(lost, cause)
+
+    async def _lost_ranks(self) -> list[int]:
+        return [] if self.repair is None else await self.repair.lost_ranks(self.workers)
+
+    async def _recover(self, lost: list[int], cause: str) -> None:
+        """New workers for the `lost` ranks, then every request requeued (prompt + tokens sent so far)."""
+        clock, self._recovering = RecoveryClock(lost, cause), True
+        try:
+            self.workers = await asyncio.wait_for(self.repair.replace(self.workers, lost), self.recovery_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - no group: every request ends, health checks report it
+            self._group_error = f"rank group could not be rebuilt after losing cp_rank(s) {lost}: {one_line(exc)}"
+            self.recoveries.append(clock.done(0, self._fail_all(EngineUnavailableError(self._group_error)), False))
+            return
+        finally:
+            self._recovering, self._last_progress = False, time.monotonic()
+        self._group_error = None
+        resumed, failed = self._resume_all(f"lost cp_rank(s) {lost}: {cause}")
+        self.recoveries.append(clock.done(resumed, failed, True))
+        self._poke()
+
+    def _resume_all(self, cause: str) -> tuple[int, int]:
+        """Every request back in the queue over its prompt + output so far; one resumed too often ends."""
+        failed = 0
+        self.scheduler.restart_all()
+        for request_id, seq in list(self.scheduler.requests.items()):
+            seq.num_resumes += 1
+            if seq.num_resumes > self.max_resumes:
+                if (stream := self.streams.pop(request_id, None)) is not None:
+                    stream.fail(EngineUnavailableError(
+                        f"request {request_id} lost its ranks {seq.num_resumes} times (last: {cause}); not resumed"))
+                self.scheduler.finish(request_id)
+                failed += 1
+        return len(self.scheduler.requests), failed
 
 
 class StepFailedError(RuntimeError):

@@ -90,6 +90,12 @@ class EngineOverloadedError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve this request: its rank group was lost and could not be rebuilt, or its replica
+    died after the stream started. The message names the cause; the ingress answers 503 (or, mid-stream, an
+    SSE error event with that message)."""
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """How the ingress talks to the engine replicas (implemented by the Ray Serve app over deployment handles).

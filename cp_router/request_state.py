@@ -25,6 +25,7 @@ class RequestState:
     drafted: int = 0
     accepted: int = 0
     num_preemptions: int = 0
+    num_resumes: int = 0  # times its ranks were lost and it was requeued (cp_router/recovery.py)
     # Scored prompt logprobs (id, logprob, top, rank) per prompt position 1.. so far; None: not asked, or delivered.
     prompt_logprobs: list[tuple] | None = None
 
@@ -36,10 +37,10 @@ class RequestState:
         return len(self.context_ids()) - self.num_cached
 
     def reset_for_recompute(self) -> None:
-        """Preempted (its pages already freed): the next prefill runs over prompt + output so far."""
+        """Preempted, or its ranks lost their state (its pages already freed): the next prefill runs over the
+        prompt + the output so far."""
         self.status, self.owner, self.num_cached, self.pages = WAITING, None, 0, {}
         self.num_generated_at_prefill = len(self.output_ids)
-        self.num_preemptions += 1
         if self.prompt_logprobs is not None:  # not delivered yet: the new prefill scores the prompt again
             self.prompt_logprobs = []
 

@@ -87,6 +87,17 @@ class Scheduler:
             self.waiting.remove(request_id)
         self._release(seq)
 
+    def restart_all(self) -> list[str]:
+        """The ranks lost every request's state (a rank was replaced, the group re-formed): every page is free
+        again and every request waits, in arrival order, to be prefilled over its prompt plus the tokens it
+        already produced. Returns the requeued ids."""
+        for seq in self.requests.values():
+            seq.reset_for_recompute()
+        self.allocators = [PageAllocator(self.config.num_pages) for _ in range(self.config.cp_size)]
+        self.pending_free = {r: set() for r in range(self.config.cp_size)}
+        self.waiting = deque(sorted(self.requests, key=lambda rid: self.requests[rid].arrival))
+        return list(self.waiting)
+
     def has_work(self) -> bool:
         return bool(self.requests) or any(self.pending_free.values())
 
@@ -167,6 +178,7 @@ class Scheduler:
                 victim = max((s for s in self.requests.values() if s.pages.get(cp_rank)), key=lambda s: s.arrival)
                 self._release(victim)
                 victim.reset_for_recompute()
+                victim.num_preemptions += 1
                 self._requeue(victim.request_id)
                 preempted.append(victim.request_id)
         return preempted

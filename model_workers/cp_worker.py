@@ -59,8 +59,11 @@ class CPWorker:
                 self.exchange.comm = self.comm
 
     def rejoin(self, master_addr: str, master_port: int) -> None:
-        """Leaves the group (broken by a failed step, or not) and joins a new one; drops every held request."""
+        """Leaves the group (broken by a failed step, or a peer lost) and joins a new one; drops every held
+        request (its rank-side state too)."""
         self.comm.destroy()
+        if self.runner is not None:
+            self.free(list(self.held))
         self.held = {}
         self.init_comm(master_addr, master_port)
 
@@ -104,7 +107,7 @@ class CPWorker:
         self.free(list(plan.free))
         problem = self._plan_problem(plan)
         if plan_has_collectives(plan):
-            rejected = [r for r, (bad,) in enumerate(self.comm.all_gather_ints([problem is not None])) if bad]
+            rejected = [r for r, (bad,) in enumerate(self._vote(problem is not None)) if bad]
             if rejected and problem is None:
                 raise RuntimeError(f"cp_rank {self.cp_rank} left the step: cp_rank(s) {rejected} rejected their plan")
         if problem is not None:
@@ -118,6 +121,14 @@ class CPWorker:
         except Exception as exc:
             self.comm.abort()
             raise RuntimeError(f"cp_rank {self.cp_rank} failed the step: {type(exc).__name__}: {exc}") from exc
+
+    def _vote(self, rejects: bool) -> list[list[int]]:
+        """Every rank's verdict on its plan; a peer gone before the step breaks the group here."""
+        try:
+            return self.comm.all_gather_ints([rejects])
+        except CollectiveError as exc:
+            self.comm.abort()
+            raise RuntimeError(f"cp_rank {self.cp_rank} left the step: {exc} (another rank failed first)") from exc
 
     def _step(self, plan: StepPlan) -> StepResult:
         start, cpu_start = time.perf_counter(), time.process_time()

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cp_router.protocol import EngineOverloadedError
+from cp_router.protocol import EngineOverloadedError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineOverloadedError):
         return retry_later(503, f"the engine is overloaded: {exc}; retry later", exc.retry_after_s,
                            "engine_overloaded")
+    if isinstance(exc, EngineUnavailableError):
+        return retry_later(503, f"the engine is unavailable: {exc}", 1, "engine_unavailable")
     return APIError(500, f"internal server error ({type(exc).__name__}); see the server log")
 
 
