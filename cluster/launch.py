@@ -89,9 +89,9 @@ def stop_workers(workers: list) -> None:
             ray.kill(worker)
 
 
-def _place(cp_size: int, use_gpu: bool, timeout_s: float):
+def _place(cp_size: int, use_gpu: bool, timeout_s: float, strategy: str = "PACK"):
     bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
-    group = placement_group([dict(bundle) for _ in range(cp_size)], strategy="PACK")
+    group = placement_group([dict(bundle) for _ in range(cp_size)], strategy=strategy)
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except GetTimeoutError:
@@ -161,10 +161,12 @@ def launch_group(
     use_gpu: bool | None = None,
     kv_cache_dtype: str = "auto",
     deterministic: bool = False,
+    placement_strategy: str = "PACK",
 ) -> CPGroup:
-    """Places a group and starts its workers (one per CP rank, see `start_workers`)."""
+    """Places a group and starts its workers (one per CP rank, see `start_workers`). `placement_strategy`:
+    Ray's (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD); SPREAD puts the ranks on different nodes where it can."""
     use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
-    group = _place(cp.cp_size, use_gpu, placement_timeout_s)
+    group = _place(cp.cp_size, use_gpu, placement_timeout_s, placement_strategy)
     launch = RankLaunch(str(model_dir), cp.cp_size, group, 0, dtype, num_pages, page_size, threads_per_worker,
                         use_gpu, cp.ep_size, kv_cache_dtype, deterministic)
     try:

@@ -1,7 +1,10 @@
 """`EngineClient` over the `DSAEngine` deployment handle: what the ingress replica talks to.
 
 * `generate` opens a streaming call (`handle.options(stream=True)`); Serve routes it to one engine replica
-  and the client keeps that call's response object under the request id.
+  and the client keeps that call's response object under the request id. A replica that dies before the
+  request's first chunk (queued there, or prefilling) costs nothing the client saw: the call is made again and
+  Serve routes it to a live replica. One that dies after the stream started ends it with
+  `EngineUnavailableError` (an SSE error event naming the cause): the tokens it held are gone with it.
 * `abort(request_id)` cancels that response: Serve delivers the cancellation to the replica that owns the
   request, whose engine stream then aborts the request and frees its KV pages. So aborts need no routing of
   their own and cannot reach the wrong CP group.
@@ -11,15 +14,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import AsyncIterator
 
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from cp_router.metrics import merge_metrics_text
-from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
+from cp_router.metrics import MetricsScrapeError, merge_metrics_text
+from cp_router.protocol import (
+    EngineChunk,
+    EngineOverloadedError,
+    EngineRequest,
+    EngineUnavailableError,
+    ModelInfo,
+    one_line,
+)
 
+logger = logging.getLogger("dsa_serve.ingress")
 BROADCAST_TIMEOUT_S = 30.0
+REPLICA_ATTEMPTS = 3  # a request that has not streamed yet, on replicas that die under it
+RETRY_BACKOFF_S = 0.5  # times the attempt: Serve's router learns of a dead replica within a few seconds
 
 
 class ServeEngineClient:
@@ -32,6 +48,26 @@ class ServeEngineClient:
         return cls(handle, await handle.model_info.remote())
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """The replica's chunks; a replica that dies before the first chunk is retried on another."""
+        for attempt in range(1, REPLICA_ATTEMPTS + 1):
+            streamed = False
+            try:
+                async for chunk in self._one_attempt(request):
+                    streamed = True
+                    yield chunk
+                return
+            except RayActorError as exc:
+                if streamed:
+                    raise EngineUnavailableError(f"the engine replica serving this stream died after it started "
+                                                 f"({type(exc).__name__}); it was not resumed") from None
+                if attempt == REPLICA_ATTEMPTS:
+                    raise EngineUnavailableError(f"no engine replica could take the request: {REPLICA_ATTEMPTS} "
+                                                 f"replicas died under it ({one_line(exc)})") from None
+                logger.warning("request %s: engine replica died before its first chunk (%s); retrying (%d/%d)",
+                               request.request_id, type(exc).__name__, attempt, REPLICA_ATTEMPTS - 1)
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+
+    async def _one_attempt(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         response = self.handle.options(stream=True).generate.remote(request)
         self.streams[request.request_id] = response
         last: EngineChunk | None = None
@@ -43,6 +79,8 @@ class ServeEngineClient:
         except EngineOverloadedError as exc:  # re-raised without Ray's remote traceback in its message
             cause = getattr(exc, "cause", exc)
             raise EngineOverloadedError(str(cause), cause.retry_after_s) from None
+        except EngineUnavailableError as exc:  # the engine's lost group: its own message, not Ray's traceback
+            raise EngineUnavailableError(str(getattr(exc, "cause", exc))) from None
         finally:
             if self.streams.pop(request.request_id, None) is not None and (last is None or not last.finish_reason):
                 response.cancel()  # the consumer stopped early: free the request on its replica
@@ -56,8 +94,15 @@ class ServeEngineClient:
         return self.info
 
     async def metrics_text(self) -> str:
-        texts = await self.handle.broadcast("metrics_text").results_async(timeout_s=BROADCAST_TIMEOUT_S)
-        return merge_metrics_text(texts)
+        """Every engine replica's metrics, merged; raises `MetricsScrapeError` (holding the merge of those that
+        answered) when some did not answer, one line per failure."""
+        results = await self.handle.broadcast("metrics_text").results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                             return_exceptions=True)
+        failures = [one_line(result) for result in results if isinstance(result, BaseException)]
+        text = merge_metrics_text(result for result in results if not isinstance(result, BaseException))
+        if failures:
+            raise MetricsScrapeError(text, failures)
+        return text
 
     async def check_health(self) -> None:
         """Raises one line per failing replica (the replica's own error, without Ray's remote traceback)."""

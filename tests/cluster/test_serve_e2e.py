@@ -7,11 +7,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,32 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.cli import main as cli_main
 from cluster.serve_app import app as app_builder
 from cluster.serve_app import engine_bundles
-from cluster.serve_settings import API_KEY_ENV, ServeAppArgs
+from cluster.serve_settings import ServeAppArgs
+from support.serve_process import descendant_pids, free_port, start_server, wait_until_ready
 
 API_KEY = "sk-e2e"
 PROMPTS = ["Hello", "The quick brown fox", "def main():", "Once upon a time"]
-START_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until_ready(process: subprocess.Popen, base_url: str, log_path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"dsa-serve serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    process.kill()
-    pytest.fail(f"dsa-serve serve not ready within {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="module", params=["colocated", "separate"])
@@ -54,16 +30,11 @@ def server(tmp_path_factory, request):
     """Base URL of a running server (each engine placement; the separate one with the experts partitioned over
     its two ranks, --ep-size 2); on teardown Ctrl-C must stop it cleanly."""
     port, log_path = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", API_KEY_ENV)}
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--api-key", API_KEY,
-               "--engine-placement", request.param, "--reasoning-parser", "deepseek_r1"]
-    command += ["--ep-size", "2"] if request.param == "separate" else []
-    with open(log_path, "w") as log:
-        # Started with SIGINT ignored, as some launchers and test runners leave it: Ctrl-C must still stop it.
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    arguments = ["--api-key", API_KEY, "--engine-placement", request.param, "--reasoning-parser", "deepseek_r1"]
+    arguments += ["--ep-size", "2"] if request.param == "separate" else []
+    process = start_server(arguments, log_path, port)  # SIGINT ignored: Ctrl-C must still stop it
     base_url = f"http://127.0.0.1:{port}"
-    wait_until_ready(process, base_url, log_path)
+    wait_until_ready(process, base_url, log_path, API_KEY)
     yield base_url, log_path, process.pid
     process.send_signal(signal.SIGINT)
     try:
@@ -229,39 +200,53 @@ def test_wrong_api_key_is_401_and_each_request_is_logged(server):
 
 
 def rank_worker_pids(server_pid: int) -> list[int]:
-    """The CPWorker processes under this server's local Ray (its raylet is a child of the server process)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [server_pid]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            if b"ray::CPWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
+    """The CPWorker processes under this server's local Ray."""
+    return descendant_pids(server_pid, b"ray::CPWorker")
 
 
-def test_a_dead_rank_fails_health_and_serve_replaces_the_replica(client, server):
-    base_url, _, server_pid = server
-    workers = rank_worker_pids(server_pid)
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while (health := httpx.get(f"{base_url}/health", timeout=60)).status_code == 200:
-        assert time.monotonic() < deadline, "/health stayed 200 with a dead rank actor"
-        time.sleep(0.5)
-    assert health.status_code == 503 and "\n" not in health.json()["error"]["message"]
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{base_url}/health", timeout=60).status_code != 200:
-        assert time.monotonic() < deadline, "the engine replica was not replaced within 120 s"
-        time.sleep(1)
-    assert len(rank_worker_pids(server_pid)) == 2
+async def stream_usage(http: httpx.AsyncClient, prompt: str, max_tokens: int, started: asyncio.Event) -> dict:
+    """One streamed greedy completion: its text, finish reason, usage and any error event."""
+    body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    result = {"text": "", "finish": None, "usage": None, "errors": []}
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                result["errors"].append(event["error"])
+            for choice in event.get("choices", []):
+                result["text"] += choice["text"]
+                result["finish"] = choice["finish_reason"] or result["finish"]
+                started.set()
+            result["usage"] = event.get("usage") or result["usage"]
+    return result
+
+
+def test_a_rank_killed_mid_stream_is_replaced_and_every_stream_completes(client, server):
+    """The issue's scenario: four streams of 200 tokens, one rank process SIGKILLed once they stream; the engine
+    replaces the rank and resumes them: every stream ends with all its tokens and no error event."""
+    base_url, log_path, server_pid = server
+    before = rank_worker_pids(server_pid)
+    assert len(before) == 2
+
+    async def run():
+        started = asyncio.Event()
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as http:
+            streams = [asyncio.create_task(stream_usage(http, prompt, 200, started)) for prompt in PROMPTS]
+            await asyncio.wait_for(started.wait(), 120)
+            os.kill(before[1], signal.SIGKILL)
+            return await asyncio.gather(*streams)
+
+    for result in asyncio.run(run()):
+        assert result["errors"] == [] and result["finish"] == "length"
+        assert result["usage"]["completion_tokens"] == 200
+    assert httpx.get(f"{base_url}/health", timeout=60).status_code == 200
+    after = rank_worker_pids(server_pid)
+    assert len(after) == 2 and before[1] not in after
+    time.sleep(1)  # the replica's log line travels through Ray to the server's output
+    assert "recovered from losing cp_rank(s) [1]" in log_path.read_text()
     assert greedy(client, PROMPTS[0], max_tokens=2).finish_reason in ("length", "stop")

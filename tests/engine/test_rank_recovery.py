@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 from dataclasses import replace
 
 import pytest
@@ -22,6 +21,7 @@ from cluster.launch import engine_cpus, launch_group, start_ray
 from cluster.rank_repair import RayRankRepair
 from cp_router.protocol import EngineRequest, EngineUnavailableError
 from model_workers.checkpoint.model_dir import resolve_model_dir
+from support.streams import act_after_steps, outcomes
 
 MODEL = resolve_model_dir(None)
 CP = ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
@@ -57,40 +57,10 @@ def pid_of(worker) -> int:
     return ray.get(worker.__ray_call__.remote(lambda _self: os.getpid()))
 
 
-async def stream_outcome(engine, request: EngineRequest) -> tuple:
-    """(tokens, [(logprob, top)], finish reason) as streamed; an error ends the tuple with the exception."""
-    tokens, logprobs = [], []
-    try:
-        async for chunk in engine.generate(request):
-            tokens += chunk.token_ids
-            logprobs += [(lp.logprob, lp.top) for lp in chunk.logprobs or ()]
-            if chunk.finish_reason is not None:
-                return tokens, logprobs, chunk.finish_reason
-    except Exception as exc:  # noqa: BLE001 - the test looks at it
-        return tokens, logprobs, exc
-    return tokens, logprobs, None
-
-
-def outcomes(engine, requests: list[EngineRequest]) -> dict[str, tuple]:
-    async def main():
-        results = await asyncio.gather(*[stream_outcome(engine, r) for r in requests])
-        return dict(zip([r.request_id for r in requests], results))
-
-    return asyncio.run(main())
-
-
 def kill_after_steps(engine, worker, steps: int, delay_s: float = 0.0) -> list[int]:
-    """SIGKILLs `worker`'s process once, `delay_s` after the engine's `steps`-th step (so during the next one
-    when delay_s > 0); returns the pid list it killed (for the test to check it fired)."""
-    pid, seen, killed = pid_of(worker), [0], []
-
-    def observer(step, results):
-        seen[0] += 1
-        if seen[0] == steps:
-            threading.Timer(delay_s, lambda: (os.kill(pid, signal.SIGKILL), killed.append(pid))).start()
-
-    engine.add_step_observer(observer)
-    return killed
+    """SIGKILLs `worker`'s process once, `delay_s` after the engine's `steps`-th step; the list gets its pid."""
+    pid = pid_of(worker)
+    return act_after_steps(engine, steps, lambda: (os.kill(pid, signal.SIGKILL), pid)[1], delay_s)
 
 
 def assert_idle(engine, group) -> None:

@@ -1,0 +1,73 @@
+"""`dsa-serve serve` as a subprocess for end-to-end tests: a free port, readiness, and the Ray processes under it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster.serve_settings import API_KEY_ENV
+
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(arguments: list[str], log_path: Path, port: int) -> subprocess.Popen:
+    """`python -m cluster.cli serve --port PORT *arguments`, its output in `log_path`, outside any Ray cluster of
+    the caller's environment, with SIGINT ignored as some launchers leave it (Ctrl-C must still stop it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", API_KEY_ENV)}
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *arguments]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+
+def wait_until_ready(process: subprocess.Popen, base_url: str, log_path: Path, api_key: str | None = None) -> None:
+    """Until GET /v1/models answers 200; fails the test with the server's log tail if it exits or times out."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"dsa-serve serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/v1/models", headers=headers).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    process.kill()
+    pytest.fail(f"dsa-serve serve not ready within {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+
+
+def descendant_pids(root_pid: int, marker: bytes) -> list[int]:
+    """Processes under `root_pid` (the server's local Ray is its child) whose command line contains `marker`,
+    e.g. b"ray::CPWorker" (rank workers) or b"DSAEngine" (engine replicas)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return sorted(found)
