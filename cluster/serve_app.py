@@ -34,10 +34,10 @@ from cluster.engine_setup import EngineOptions, check_options_for_model, engine_
 from cluster.http_api.ingress import build_app
 from cluster.launch import RankLaunch, start_workers
 from cluster.rank_repair import RayRankRepair
+from cluster.ray_metrics import replica_metrics
 from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import IngressSettings, ServeAppArgs
 from cp_router.engine import GenerationEngine
-from cp_router.metrics import ServeMetrics
 from cp_router.protocol import EngineChunk, EngineRequest, ModelInfo
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
@@ -78,7 +78,7 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
                         options.threads_per_worker, bool(options.use_gpu), cp.ep_size, options.kv_cache_dtype,
                         options.deterministic)
     workers = start_workers(launch)
-    metrics = ServeMetrics(f"engine-{serve.get_replica_context().replica_tag}")
+    metrics = replica_metrics("engine", (args.served_model_name or [model_dir.name])[0])  # also on Ray's export
     return engine_over_workers(model_dir, cp, options, workers, metrics, text, repair=RayRankRepair(launch))
 
 

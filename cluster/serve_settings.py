@@ -35,7 +35,8 @@ class IngressSettings(BaseModel):
     max_ongoing_requests: int = Field(256, ge=1)  # HTTP generation requests in flight; beyond: 429
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies: 413
     retry_after_s: int = Field(1, ge=1)  # the Retry-After of a 429
-    metrics_replica: str = Field("ingress", min_length=1)  # `replica` label of the ingress's own metrics
+    # `replica` label of the ingress's own metrics; None: ingress-<Serve replica id> (outside Serve: hostname:pid)
+    metrics_replica: str | None = Field(None, min_length=1)
     served_model_name: list[str] | None = Field(None, min_length=1)  # names `model` may take; None: the folder's
     allowed_origins: list[str] = Field(default_factory=list)  # CORS origins ("*": any); empty: no CORS headers
     reasoning_parser: Literal[REASONING_PARSERS] | None = None  # chat: <think>...</think> as reasoning_content

@@ -17,8 +17,9 @@ import inspect
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
+from cp_router.engine_monitor import EngineMonitor
 from cp_router.engine_stats import EngineStats
-from cp_router.metrics import ServeMetrics, track_stream
+from cp_router.metrics import ServeMetrics
 from cp_router.plans import StepResult
 from cp_router.protocol import (
     EngineChunk,
@@ -47,6 +48,7 @@ class GenerationEngine:
         self._recovering = False
         self.streams: dict[str, RequestStream] = {}
         self.stats = EngineStats(accepted_per_position=[0] * scheduler.config.num_speculative_steps)
+        self.monitor = EngineMonitor(scheduler, self.stats, metrics)  # stats, metrics and the status log per step
         self.step_observers: list[StepObserver] = []
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -72,10 +74,7 @@ class GenerationEngine:
 
     # EngineClient ---------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        chunks = self._chunks(request)
-        if self.metrics is not None:
-            chunks = track_stream(self.metrics, chunks)
-        async for chunk in chunks:
+        async for chunk in self.monitor.stream(request.request_id, self._chunks(request)):
             yield chunk
 
     async def abort(self, request_id: str) -> None:
@@ -91,7 +90,7 @@ class GenerationEngine:
     async def metrics_text(self) -> str:
         if self.metrics is None:
             return ""
-        self._record_gauges()
+        self.monitor.record_gauges()
         return self.metrics.render()
 
     async def check_health(self) -> None:
@@ -186,20 +185,7 @@ class GenerationEngine:
     def _record(self, step: ScheduledStep, results: list[StepResult], outputs: dict, wall_s: float,
                 since_last_s: float) -> None:
         self._last_progress = time.monotonic()
-        drafted, accepted = self.stats.record(step, results, outputs, wall_s, since_last_s)
-        if self.metrics is not None:
-            self.metrics.add_speculation(drafted, accepted)
-            if step.preempted:
-                self.metrics.add_preemptions(len(step.preempted))
-            if step.prefill is not None and len(step.prefill.ranks) > 1:
-                self.metrics.observe_cp_prefill(sum(r.comm_bytes for r in results), wall_s)
-            self._record_gauges()
-
-    def _record_gauges(self) -> None:
-        cfg = self.scheduler.config
-        self.metrics.set_requests(self.scheduler.num_running(), len(self.scheduler.waiting))
-        for cp_rank, free in enumerate(self.scheduler.free_pages()):
-            self.metrics.set_kv_pages(cp_rank, cfg.num_pages - free, cfg.num_pages)
+        self.monitor.after_step(step, results, outputs, wall_s, since_last_s)
 
     async def _rejoin_group(self) -> None:
         """After a failed step: every rank leaves its (possibly broken) group and joins a fresh one."""

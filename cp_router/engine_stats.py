@@ -1,4 +1,5 @@
-"""What the engine counts since it started (benchmarks and tests read it): steps, tokens, speculation, time."""
+"""What the engine counts since it started (benchmarks, tests and the engine log read it): steps, tokens,
+speculation, time."""
 
 from __future__ import annotations
 
@@ -7,10 +8,32 @@ from dataclasses import dataclass, field
 from cp_router.plans import RequestOutput, StepResult
 
 
+@dataclass(frozen=True)
+class StepSpeculation:
+    """One step's speculative decoding: `drafts` verifications (one per request per verify step) proposing
+    `draft_tokens` tokens, of which `accepted_per_position[j]` were accepted at draft position j."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_per_position: list[int]
+
+
+def placeholder_ids(step) -> set[str]:
+    """Requests whose output this step is a non-final prefill chunk's token (never used, never sent)."""
+    return {piece.request_id for piece in step.prefill.pieces if not piece.final} if step.prefill else set()
+
+
+def drafts_of(out: RequestOutput) -> int:
+    """Verifications in one output: each proposes k = len(accepted_per_position) draft tokens."""
+    return out.drafted // len(out.accepted_per_position) if out.accepted_per_position else 0
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
     generated: int = 0
+    prefilled: int = 0  # prompt tokens run through prefill (every chunk; recomputed ones again)
+    drafts: int = 0  # verifications: mean acceptance length = 1 + accepted / drafts
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -27,23 +50,26 @@ class EngineStats:
     decode_loop_steps: dict[str, int] = field(default_factory=dict)  # plain / speculative, summed over ranks
 
     def record(self, step, results: list[StepResult], outputs: dict[str, RequestOutput], wall_s: float,
-               since_last_s: float) -> tuple[int, int]:
-        """Counts one finished step; returns the (drafted, accepted) tokens of the step."""
+               since_last_s: float) -> StepSpeculation:
+        """Counts one finished step; returns its speculation counts."""
         self.steps, self.step_wall_s = self.steps + 1, self.step_wall_s + wall_s
         self._record_decode_time(step, results, since_last_s)
         self.preemptions += len(step.preempted)
         self.worker_compute_s += max(r.compute_s for r in results)
         self.decode_calls += sum(bool(step.plans[r.cp_rank].decode) for r in results)
-        drafted = accepted = 0
-        placeholders = {piece.request_id for piece in step.prefill.pieces if not piece.final} if step.prefill else set()
+        self.prefilled += sum(piece.extend_len for piece in step.prefill.pieces) if step.prefill else 0
+        placeholders, per_position = placeholder_ids(step), [0] * len(self.accepted_per_position)
+        drafts = drafted = 0
         for request_id, out in outputs.items():
             if request_id not in placeholders:  # a non-final prefill chunk's token is never used
                 self.generated += len(out.token_ids)
-            drafted, accepted = drafted + out.drafted, accepted + sum(out.accepted_per_position)
+            drafts, drafted = drafts + drafts_of(out), drafted + out.drafted
             for j, count in enumerate(out.accepted_per_position):
-                self.accepted_per_position[j] += count
-        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
-        return drafted, accepted
+                per_position[j] += count
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, per_position)]
+        self.drafts, self.drafted = self.drafts + drafts, self.drafted + drafted
+        self.accepted += sum(per_position)
+        return StepSpeculation(drafts, drafted, per_position)
 
     def _record_decode_time(self, step, results: list[StepResult], since_last_s: float) -> None:
         """Model-forward time of the step's decode batches; decode-only steps also count toward the overhead."""

@@ -10,6 +10,7 @@ probes and scrapers. Everything is validated and tokenized here, before the engi
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,12 +34,14 @@ from cluster.http_api.reasoning import opens_reasoning
 from cluster.http_api.tool_stream import tool_call_setup
 from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
 from cluster.serve_settings import IngressSettings
-from cp_router.metrics import ServeMetrics, merge_metrics_text
+from cluster.ray_metrics import replica_metrics
+from cp_router.metrics import MetricsScrapeError, ServeMetrics, merge_metrics_text
 from cp_router.protocol import EngineClient, ModelInfo, one_line
 from model_workers.checkpoint.generation_config import sampling_defaults
 from model_workers.checkpoint.tokenizer import CheckpointText
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+metrics_logger = logging.getLogger("dsa_serve.metrics")
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,18 @@ class Ingress:
         return {"status": "ok"}
 
     async def metrics_text(self) -> str:
+        """The ingress's metrics and those of every engine replica that answered: a replica that did not is
+        logged and counted (dsa_serve:metrics_scrape_errors_total), never failing the scrape."""
+        failed = 0
         try:
             engine_text = await self.engine.metrics_text()
-        except Exception as exc:  # noqa: BLE001 - a replica that cannot report makes the scrape fail visibly
-            raise APIError(503, f"engine metrics unavailable: {exc}", code="metrics_unavailable") from None
+        except MetricsScrapeError as partial:
+            engine_text, failed, cause = partial.text, len(partial.failures), str(partial)
+        except Exception as exc:  # noqa: BLE001 - no replica could be asked: the ingress's own metrics still answer
+            engine_text, failed, cause = "", 1, f"engine metrics unavailable: {one_line(exc)}"
+        if failed:
+            self.metrics.count_scrape_errors(failed)
+            metrics_logger.warning("metrics scrape: %s", cause)
         return merge_metrics_text([self.metrics.render(), engine_text])
 
 
@@ -140,7 +151,8 @@ def _open_ingress(engine_client: EngineClient, settings: IngressSettings, text: 
         raise ValueError(f"model_dir: the engine's checkpoint has a chat template but {settings.model_dir!r} has no "
                          "tokenizer_config.json chat_template; point IngressSettings.model_dir at the checkpoint")
     return Ingress(engine_client, settings, info, ModelLimits(info.vocab_size, info.max_model_len), encoder,
-                   ServeMetrics(settings.metrics_replica), int(time.time()), sampling_defaults(settings.model_dir))
+                   replica_metrics("ingress", (settings.served_model_name or [info.name])[0], settings.metrics_replica),
+                   int(time.time()), sampling_defaults(settings.model_dir))
 
 
 def _add_routes(app: FastAPI, ingress: Ingress, authorized: params.Depends) -> None:

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster.http_api.ingress import build_app
+from cluster.ray_metrics import replica_label
 from cluster.serve_settings import IngressSettings
 from support.http_fakes import MAX_MODEL_LEN, VOCAB_SIZE, FakeEngine, write_checkpoint_files
 
@@ -181,8 +182,9 @@ def test_the_server_keeps_serving_after_the_matrix(served):
     finally:
         engine.accept = False
     metrics = client.get("/metrics").text
-    assert 'dsa_serve:request_errors_total{error_type="context_length_exceeded",replica="ingress"}' in metrics
-    assert 'dsa_serve:request_errors_total{error_type="invalid_api_key",replica="ingress"}' in metrics
+    labels = f'model_name="tiny-dsa",replica="{replica_label("ingress")}"'  # outside Serve: ingress-<host>:<pid>
+    assert f'dsa_serve:request_errors_total{{error_type="context_length_exceeded",{labels}}}' in metrics
+    assert f'dsa_serve:request_errors_total{{error_type="invalid_api_key",{labels}}}' in metrics
 
 
 def test_api_key_from_the_environment(monkeypatch, tmp_path):

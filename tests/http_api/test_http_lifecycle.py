@@ -17,7 +17,7 @@ from cluster.http_api.middleware import route_path
 from cluster.serve_settings import IngressSettings
 from support.http_fakes import INFO, FakeEngine, call_and_disconnect
 
-KV_IDLE = 'dsa_serve:kv_pages_used{cp_rank="0",replica="engine-0"} 0.0'
+KV_IDLE = 'dsa_serve:kv_pages_used{cp_rank="0",model_name="tiny-dsa",replica="engine-0"} 0.0'
 
 
 def app_over(engine: FakeEngine, checkpoint, **settings):
@@ -53,7 +53,8 @@ def test_disconnect_mid_stream_aborts_the_request(checkpoint, spec_version, capl
     assert engine.aborted == [engine.requests[0].request_id] and engine.active == {}
     metrics = TestClient(app).get("/metrics").text
     assert KV_IDLE in metrics
-    assert 'dsa_serve:request_success_total{finished_reason="abort",replica="engine-0"} 1.0' in metrics
+    assert 'dsa_serve:request_success_total{finished_reason="abort",model_name="tiny-dsa",replica="engine-0"} 1.0' \
+        in metrics
 
 
 def test_concurrency_limit_answers_429_with_retry_after(checkpoint):

@@ -64,7 +64,7 @@ class FakeEngine:
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []
         self.active: dict[str, asyncio.Event] = {}
-        self.metrics = ServeMetrics(metrics_replica)
+        self.metrics = ServeMetrics(metrics_replica, info.name)
         self.metrics.set_kv_pages(0, 0, KV_PAGES)
 
     async def generate(self, request: EngineRequest):
