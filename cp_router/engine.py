@@ -30,6 +30,7 @@ from cp_router.protocol import (
     one_line,
 )
 from cp_router.recovery import MAX_RESUMES, RECOVERY_TIMEOUT_S, GroupRepair, RecoveryClock, RecoveryRecord
+from cp_router.request_state import WAITING
 from cp_router.request_stream import RequestStream, sampling_of
 from cp_router.scheduler import ScheduledStep, Scheduler
 
@@ -250,8 +251,10 @@ class GenerationEngine:
     def _resume_all(self, cause: str) -> tuple[int, int]:
         """Every request back in the queue over its prompt + output so far; one resumed too often ends."""
         failed = 0
+        admitted = [rid for rid, seq in self.scheduler.requests.items() if seq.status != WAITING or seq.output_ids]
         self.scheduler.restart_all()
-        for request_id, seq in list(self.scheduler.requests.items()):
+        for request_id in admitted:
+            seq = self.scheduler.requests[request_id]
             seq.num_resumes += 1
             if seq.num_resumes > self.max_resumes:
                 if (stream := self.streams.pop(request_id, None)) is not None:
@@ -259,7 +262,7 @@ class GenerationEngine:
                         f"request {request_id} lost its ranks {seq.num_resumes} times (last: {cause}); not resumed"))
                 self.scheduler.finish(request_id)
                 failed += 1
-        return len(self.scheduler.requests), failed
+        return len(admitted) - failed, failed
 
 
 class StepFailedError(RuntimeError):

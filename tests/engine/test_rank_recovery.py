@@ -100,6 +100,27 @@ def test_killing_the_rendezvous_rank_inside_a_cp_prefill_step_resumes_bit_exact(
     assert_idle(engine, group)
 
 
+def test_a_rank_that_dies_while_idle_is_replaced_by_the_health_check(group):
+    engine = engine_for(group)
+    pid = pid_of(group.workers[1])
+    os.kill(pid, signal.SIGKILL)
+    asyncio.run(engine.check_health())  # healthy again: the rank was replaced, not reported
+    (record,) = engine.recoveries
+    assert record.ok and record.lost_ranks == (1,) and (record.resumed, record.failed) == (0, 0)
+    assert "health check" in record.cause and pid_of(group.workers[1]) != pid
+    assert ray.get([w.ping.remote() for w in group.workers]) == [0, 1]
+
+
+def test_a_request_resumed_max_resumes_times_ends_with_an_error_naming_it(group):
+    engine = engine_for(group)
+    engine.max_resumes = 0
+    kill_after_steps(engine, group.workers[0], steps=2)
+    for tokens, _, error in outcomes(engine, REQUESTS[:2]).values():
+        assert isinstance(error, EngineUnavailableError) and "lost its ranks 1 times" in str(error)
+    assert engine.recoveries[-1].ok and engine.recoveries[-1].failed == 2
+    assert_idle(engine, group)
+
+
 def test_a_group_that_cannot_be_rebuilt_ends_every_stream_with_the_cause(group):
     broken = RayRankRepair(replace(group.launch, model_dir="/nonexistent/checkpoint"))
     engine = engine_for(group, repair=broken)
