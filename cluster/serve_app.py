@@ -1,7 +1,8 @@
 """The Ray Serve application `cluster.serve_app:app`, in one of two placements (`engine_placement`):
 
 * separate: `DSAIngress` (HTTP) replicas in front of `DSAEngine` replicas (a CP group and the
-  `GenerationEngine` driving it) over a deployment handle; ingress and engines scale independently; every token chunk crosses one more Ray stream.
+  `GenerationEngine` driving it) over a deployment handle; ingress and engines scale independently; every
+  token chunk crosses one more Ray stream.
 * colocated: one `DSAServer` deployment whose replica is the HTTP app and the engine at once (a CP group
   per replica); one Ray stream less per token chunk, but HTTP handling and the engine loop share one
   process. On the 2-core benchmark box neither placement was consistently faster (BENCHMARKS.md).
@@ -14,6 +15,12 @@ Placement: an engine replica (DSAEngine or DSAServer) runs in a placement group 
 with it. Health: Serve calls the replica's `check_health` every `health_check_period_s`; it raises when a
 rank actor is dead (its ping fails) or the step loop stopped or made no progress while it had work, and
 Serve replaces the replica. Aborts and metrics (separate placement): see cluster/serve_client.py.
+
+Drain: a replica Serve stops (a redeploy's rolling update, a scale-down, serve.shutdown) gets no new requests
+and keeps running its ongoing ones, HTTP streams and engine streams alike, for `graceful_shutdown_timeout_s`
+= `drain_timeout_s` (Serve polls every graceful_shutdown_wait_loop_s, then calls __del__ or kills it). On SIGTERM
+`dsa-serve serve` first broadcasts `drain` to the HTTP replicas (503 + Retry-After for new requests, /health 503)
+and waits for their streams, since serve.shutdown() stops the proxies too.
 """
 
 from __future__ import annotations
@@ -194,20 +201,29 @@ def validate_args(args: dict[str, Any] | ServeAppArgs) -> ServeAppArgs:
         raise ValueError(f"invalid {APP_NAME} args: {fields}") from None
 
 
+def http_deployment(args: ServeAppArgs) -> str:
+    """The deployment whose replicas answer HTTP (and drain): DSAServer when colocated, else DSAIngress."""
+    return SERVER_DEPLOYMENT if args.engine_placement == "colocated" else INGRESS_DEPLOYMENT
+
+
 def build_application(args: ServeAppArgs, engine_replicas: int | None = None) -> Application:
-    """The app of `args.engine_placement`; `engine_replicas` overrides the engine deployment's num_replicas."""
+    """The app of `args.engine_placement`; `engine_replicas` overrides the engine deployment's num_replicas
+    (None: Serve's default, or the config file's num_replicas / autoscaling_config)."""
     replicas = {} if engine_replicas is None else {"num_replicas": engine_replicas}
+    # A replica Serve stops (redeploy, scale-down, shutdown) gets no new requests and waits this long for its
+    # ongoing ones (HTTP streams on the ingress, engine streams on the engine) before it is killed.
+    drain = {"graceful_shutdown_timeout_s": args.drain_timeout_s}
     # Above the app's own cap, so overload is answered by the app's 429 body rather than queued by Serve
     # (Serve's default of 5 in flight per replica would serialize a 32-stream load).
     ingress_cap = 2 * args.ingress.max_ongoing_requests
     if args.engine_placement == "colocated":
         return DSAServer.options(placement_group_bundles=engine_bundles(args),
-                                     placement_group_strategy=args.placement_strategy,
-                                     max_ongoing_requests=ingress_cap, **replicas).bind(args)
+                                 placement_group_strategy=args.placement_strategy,
+                                 max_ongoing_requests=ingress_cap, **replicas, **drain).bind(args)
     engine = DSAEngine.options(placement_group_bundles=engine_bundles(args),
-                                   placement_group_strategy=args.placement_strategy,
-                                   max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas).bind(args)
-    return DSAIngress.options(max_ongoing_requests=ingress_cap).bind(engine, args)
+                               placement_group_strategy=args.placement_strategy,
+                               max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(args)
+    return DSAIngress.options(max_ongoing_requests=ingress_cap, **drain).bind(engine, args)
 
 
 def app(args: dict[str, Any]) -> Application:

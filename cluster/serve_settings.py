@@ -17,6 +17,7 @@ from cluster.http_api.reasoning import REASONING_PARSERS
 from cluster.http_api.tool_parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # as Kubernetes' default terminationGracePeriodSeconds
 EnginePlacement = Literal["separate", "colocated"]
 
 
@@ -81,6 +82,9 @@ class ServeAppArgs(EngineLimits):
     # chunk crosses one more Ray stream). "colocated": one DSAServer deployment whose replica is both the
     # HTTP app and the engine (one process less per chunk; scale by replicas of the whole server).
     engine_placement: EnginePlacement = "separate"
+    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, description=(
+        "how long requests in flight may run on after a stop (SIGTERM, a Serve redeploy or scale-down): the app "
+        "then refuses new ones with 503 + Retry-After; also each deployment's graceful_shutdown_timeout_s"))
     ingress: IngressSettings = IngressSettings()
 
     @model_validator(mode="after")

@@ -1,8 +1,11 @@
 """`dsa-serve serve`: the OpenAI-style HTTP server (cluster/serve_app.py) on Ray Serve, until Ctrl-C.
 
 Starts a local Ray (or joins --ray-address / $RAY_ADDRESS) sized for the ingress plus --replicas CP
-groups, runs the application, prints where it listens, and on Ctrl-C (or SIGTERM) shuts Serve and the
-Ray it started down. Each HTTP request logs one INFO line (`dsa_serve.access`, from the ingress replica).
+groups, runs the application, prints where it listens, and on SIGTERM (docker stop, a Kubernetes pod's
+termination) or Ctrl-C drains: the HTTP replicas refuse new generation requests (503 + Retry-After, /health
+503) while the ones in flight finish, for at most --drain-timeout-s; then it shuts Serve and the Ray it
+started down and exits 0. A second Ctrl-C skips the rest of the drain. Each HTTP request logs one INFO line
+(`dsa_serve.access`, from the ingress replica).
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import argparse
 import json
 import signal
 import threading
+import time
 
 from cluster.commands.aliases import resolve_speculation
 from cluster.commands.args import add_server_arguments
 from cluster.engine_limits import limits_from
-from cluster.serve_settings import API_KEY_ENV
+from cluster.serve_settings import API_KEY_ENV, ServeAppArgs
+from cp_router.protocol import one_line
 
 
 def add_parser(commands) -> None:
@@ -27,6 +32,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
     parser.add_argument("--allowed-origins", default=None,
                         help='CORS origins: a JSON list (vLLM\'s form, e.g. \'["*"]\') or a comma list')
+    drain = ServeAppArgs.model_fields["drain_timeout_s"]
+    parser.add_argument("--drain-timeout-s", type=float, default=drain.default, help=drain.description)
     parser.set_defaults(run=run)
 
 
@@ -46,6 +53,8 @@ def app_args(args: argparse.Namespace):
              "enable_auto_tool_choice", "cp_size", "cp_strategy", "cp_impl", "ep_size", "speculative_num_steps",
              "dtype", "kv_cache_dtype", "device", "engine_placement", "enable_deterministic_inference")
     fields = {name: getattr(args, name) for name in names}
+    if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
+        fields["drain_timeout_s"] = args.drain_timeout_s
     ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None))}
     fields.update(limits_from(args), ingress=ingress)
     return validate_args(fields)
@@ -63,12 +72,43 @@ def origins(text: str | None) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def wait_for_stop() -> None:
-    """Blocks until SIGTERM (Ctrl-C raises KeyboardInterrupt, which the caller catches)."""
+def wait_for_stop() -> str:
+    """Blocks until SIGTERM or Ctrl-C; returns which one. Later SIGTERMs are ignored (the drain is under way);
+    a later Ctrl-C raises KeyboardInterrupt, which cuts the drain short."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        return "Ctrl-C"
+    return "SIGTERM"
+
+
+def drain(serve, settings, why: str) -> None:
+    """Broadcasts `drain` to every HTTP replica (cluster/serve_app.py) and waits for their requests in flight,
+    at most `settings.drain_timeout_s` (serve.shutdown() would cut them: it stops the HTTP proxies at once)."""
+    from cluster.serve_app import APP_NAME, http_deployment
+
+    timeout_s, start = settings.drain_timeout_s, time.monotonic()
+    print(f"dsa-serve: {why}: draining (new requests get 503; at most {timeout_s:g} s for those in flight)",
+          flush=True)
+    handle = serve.get_deployment_handle(http_deployment(settings), APP_NAME)
+    try:
+        left = handle.broadcast("drain", timeout_s).results(timeout_s=timeout_s + DRAIN_CALL_SLACK_S,
+                                                             return_exceptions=True)
+    except TimeoutError:
+        print(f"dsa-serve: the HTTP replicas did not answer the drain within {timeout_s + DRAIN_CALL_SLACK_S:g} s",
+              flush=True)
+        return
+    failed = [result for result in left if isinstance(result, BaseException)]
+    running = sum(result for result in left if isinstance(result, int))
+    outcome = f"{running} requests still running, cut" if running else "no request in flight"
+    print(f"dsa-serve: drained {len(left) - len(failed)} HTTP replicas in {time.monotonic() - start:.1f} s; "
+          f"{outcome}" + "".join(f"; a replica failed to drain: {one_line(exc)}" for exc in failed), flush=True)
+
+
+DRAIN_CALL_SLACK_S = 10.0  # beyond drain_timeout_s, for the broadcast itself to reach and answer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         serve.run(build_application(settings, args.replicas), name=APP_NAME, route_prefix="/")
         print(f"dsa-serve: serving {model_dir.name} (cp_size={settings.cp_size}, replicas={args.replicas}) on "
               f"http://{args.host}:{args.port}/v1; Ctrl-C stops", flush=True)
-        wait_for_stop()
+        drain(serve, settings, wait_for_stop())
     except KeyboardInterrupt:
         pass
     finally:

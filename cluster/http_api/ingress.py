@@ -5,7 +5,8 @@ GET /v1/models, GET /health, GET /metrics, and utility_routes.py's (/v1/models/{
 /version). The model answers to its served names (`IngressSettings.served_model_name`, default its folder's).
 The /v1 routes need `Authorization: Bearer <key>` when an API
 key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY); /health and /metrics are open, for
-probes and scrapers. Everything is validated and tokenized here, before the engine is reached.
+probes and scrapers. Everything is validated and tokenized here, before the engine is reached. Once
+`app.state.admission` drains (middleware.Admission), generation routes and /health answer 503 + Retry-After.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from cluster.http_api.chat_requests import ChatCompletionRequest, tools_json
 from cluster.http_api.choice_streams import plan_choices
 from cluster.http_api.errors import APIError, install_error_handlers
 from cluster.http_api.generation import Generation, respond_stream, respond_whole
-from cluster.http_api.middleware import AccessLogMiddleware, ConcurrencyLimitMiddleware, api_key_dependency
+from cluster.http_api.middleware import AccessLogMiddleware, Admission, ConcurrencyLimitMiddleware, api_key_dependency
 from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
 from cluster.http_api.openai_requests import CompletionRequest, ModelLimits, SamplingRequest
 from cluster.http_api.openai_responses import ModelCard, ModelList
@@ -172,6 +173,7 @@ def _add_routes(app: FastAPI, ingress: Ingress, authorized: params.Depends) -> N
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        app.state.admission.check_open()  # draining: 503, so load balancers stop sending here
         return JSONResponse(await ingress.health())
 
     @app.get("/metrics")
@@ -189,8 +191,9 @@ def build_app(engine_client: EngineClient, settings: IngressSettings | None = No
     ingress = _open_ingress(engine_client, settings, text)
     app = FastAPI(title="dsa-serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    app.state.admission = Admission(settings.retry_after_s)  # the drain gate (cluster/serve_app.py drains it)
     app.add_middleware(ConcurrencyLimitMiddleware, paths=GENERATION_PATHS, limit=settings.max_ongoing_requests,
-                       retry_after_s=settings.retry_after_s)
+                       retry_after_s=settings.retry_after_s, admission=app.state.admission)
     app.add_middleware(AccessLogMiddleware, metrics=ingress.metrics)
     app.add_middleware(RequestIdMiddleware, add_header=settings.request_id_header)
     if settings.allowed_origins:

@@ -1,7 +1,9 @@
-"""ASGI middleware of the ingress: one access log line per request, bounded concurrency, API key check."""
+"""ASGI middleware of the ingress: one access log line per request, bounded concurrency and the drain gate,
+API key check."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -59,27 +61,59 @@ class AccessLogMiddleware:
                            seconds * 1000, fields)
 
 
-class ConcurrencyLimitMiddleware:
-    """At most `limit` requests to `paths` in flight (streams count until their last byte); beyond: 429."""
+class Admission:
+    """Generation requests in flight (streams count until their last byte) and whether new ones are admitted.
 
-    def __init__(self, app: ASGIApp, paths: frozenset[str], limit: int, retry_after_s: int):
+    `drain` closes the gate for good: new generation requests get 503 + Retry-After (`draining_error`) and /health
+    503, so load balancers and clients go elsewhere, while the requests in flight run to their end."""
+
+    def __init__(self, retry_after_s: int):
+        self.retry_after_s, self.in_flight, self.draining = retry_after_s, 0, False
+
+    def draining_error(self) -> APIError:
+        return retry_later(503, "the server is draining (shutting down or being replaced): requests in flight "
+                                f"finish, new ones are refused; retry after {self.retry_after_s} s",
+                           self.retry_after_s, "server_draining")
+
+    def check_open(self) -> None:
+        """Raises the 503 `draining_error` once draining started."""
+        if self.draining:
+            raise self.draining_error()
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Stops admitting, then waits up to `timeout_s` for the requests in flight; returns how many are left."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        return self.in_flight
+
+
+class ConcurrencyLimitMiddleware:
+    """At most `limit` requests to `paths` in flight (counted in `admission`); beyond: 429; draining: 503."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str], limit: int, retry_after_s: int, admission: Admission):
         self.app, self.paths, self.limit, self.retry_after_s = app, paths, limit, retry_after_s
-        self.in_flight = 0
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.limit:
+        admission = self.admission
+        if admission.draining:
+            await error_response(admission.draining_error(), scope)(scope, receive, send)
+            return
+        if admission.in_flight >= self.limit:
             err = retry_later(429, f"too many requests in flight (limit {self.limit}); retry after "
                                    f"{self.retry_after_s} s", self.retry_after_s, "rate_limit_exceeded")
             await error_response(err, scope)(scope, receive, send)
             return
-        self.in_flight += 1
+        admission.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            admission.in_flight -= 1
 
 
 def api_key_dependency(expected: str | None) -> Callable[[Request], None]:

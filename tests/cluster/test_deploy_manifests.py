@@ -10,7 +10,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
 from cluster.serve_settings import ServeAppArgs
 from cp_router.metrics import METRIC_SPECS, PREFIX, exposed_sample_names
@@ -20,6 +21,9 @@ DEPLOY = REPO / "deploy"
 CRD_PATH = REPO.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"
 APP_IMPORT_PATH = "cluster.serve_app:app"
 DEPLOYMENT_NAMES = {"DSAIngress", "DSAEngine"}
+# KubeRay v1.7.0 ray-operator/apis/ray/v1/rayservice_types.go: "Deprecated: This field is not used anymore".
+DEPRECATED_RAYSERVICE_FIELDS = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
+DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # Ray >= 2.5x: how long `ray start --block` drains on SIGTERM
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -37,7 +41,23 @@ def check_serve_config(config: dict) -> tuple[ServeDeploySchema, ServeAppArgs]:
     assert set(deployments) == DEPLOYMENT_NAMES
     # Serve's own queue in front of the ingress must not fill before the app's 429 limit does.
     assert deployments["DSAIngress"].max_ongoing_requests > args.ingress.max_ongoing_requests
+    for options in config["applications"][0]["deployments"]:
+        assert not stale_serve_options(options), stale_serve_options(options)
+        # args.drain_timeout_s sets every deployment's graceful_shutdown_timeout_s: one number, not two.
+        assert "graceful_shutdown_timeout_s" not in options
+        if "autoscaling_config" in options:  # a replica's target: the streams of one engine batch, at most
+            assert options["autoscaling_config"]["target_ongoing_requests"] <= args.max_num_seqs
     return schema, args
+
+
+def stale_serve_options(options: dict) -> set[str]:
+    """Options of a deployment entry that Serve's schema does not know (it ignores them silently, e.g. the
+    removed max_concurrent_queries) or marks [DEPRECATED] (autoscaling_config's smoothing_factor ...)."""
+    def stale(keys, model) -> set[str]:
+        fields = model.model_fields
+        return {key for key in keys if key not in fields or "[DEPRECATED]" in (fields[key].description or "")}
+
+    return stale(options, DeploymentSchema) | stale(options.get("autoscaling_config") or {}, AutoscalingConfig)
 
 
 def test_serve_config_is_accepted_by_serve_run():
@@ -175,3 +195,74 @@ def test_kv_cache_dtype_from_the_serve_yaml_reaches_the_engine_options():
     assert engine_options(validate_args({}), model_dir).kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="kv_cache_dtype: Input should be 'auto', 'bfloat16' or 'fp8_e4m3'"):
         validate_args({"kv_cache_dtype": "int8"})
+
+
+@pytest.mark.parametrize("options", [{"max_concurrent_queries": 8},
+                                     {"autoscaling_config": {"target_num_ongoing_requests_per_replica": 8}},
+                                     {"autoscaling_config": {"target_ongoing_requests": 8, "smoothing_factor": 1}}])
+def test_the_serve_config_check_catches_removed_and_deprecated_options(options):
+    config = load_yaml(DEPLOY / "serve_config.yaml")
+    engine = config["applications"][0]["deployments"][1]
+    if "autoscaling_config" in options:
+        del engine["num_replicas"]  # Serve refuses both
+    engine.update(options)
+    ServeDeploySchema.model_validate(config)  # Serve itself lets them through
+    with pytest.raises(AssertionError):
+        check_serve_config(config)
+
+
+def test_rayservice_autoscales_cp_groups_and_their_pods(crd_validator, rayservice):
+    spec = rayservice["spec"]
+    _, args = check_serve_config(yaml.safe_load(spec["serveConfigV2"]))
+    cluster = spec["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True  # else the worker group's maxReplicas does nothing
+    (worker,) = cluster["workerGroupSpecs"]
+    engine = next(d for d in yaml.safe_load(spec["serveConfigV2"])["applications"][0]["deployments"]
+                  if d["name"] == "DSAEngine")
+    scaling = engine["autoscaling_config"]
+    assert "num_replicas" not in engine  # Serve refuses both
+    assert scaling["target_ongoing_requests"] == args.max_num_seqs  # one engine batch per replica
+    assert 1 <= worker["minReplicas"] <= scaling["min_replicas"] <= scaling["max_replicas"] == worker["maxReplicas"]
+    assert engine["max_ongoing_requests"] > scaling["target_ongoing_requests"]
+    broken = copy.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["autoscalerOptions"]["upscalingMode"] = "Fast"
+    assert [list(error.path)[-1] for error in crd_validator.iter_errors(broken)] == ["upscalingMode"]
+
+
+def test_rayservice_drains_on_upgrades_and_pod_terminations(rayservice):
+    """Streams get drain_timeout_s everywhere: in a Serve rolling update (graceful_shutdown_timeout_s), on the old
+    cluster of a NewCluster upgrade (deletion delay), and in a pod's SIGTERM (Ray drains its node, within the
+    grace period)."""
+    spec = rayservice["spec"]
+    assert not DEPRECATED_RAYSERVICE_FIELDS & set(spec)
+    _, args = check_serve_config(yaml.safe_load(spec["serveConfigV2"]))
+    assert spec["upgradeStrategy"]["type"] == "NewCluster"
+    assert spec["rayClusterDeletionDelaySeconds"] >= args.drain_timeout_s
+    cluster = spec["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        drain_s = float(next(env["value"] for env in container["env"] if env["name"] == DRAIN_ENV))
+        assert args.drain_timeout_s < drain_s < pod["terminationGracePeriodSeconds"]
+
+
+def test_drain_timeout_flag_is_every_deployments_graceful_shutdown_timeout():
+    from cluster import cli
+    from cluster.commands.serve import app_args
+    from cluster.serve_app import build_application
+
+    def deployments(app):
+        bound = app._bound_deployment
+        inner = [arg._bound_deployment for arg in bound.init_args if hasattr(arg, "_bound_deployment")]
+        return [bound, *inner]
+
+    for placement in ("separate", "colocated"):
+        args = app_args(cli.build_parser().parse_args(["serve", "--drain-timeout-s", "45",
+                                                       "--engine-placement", placement]))
+        assert args.drain_timeout_s == 45
+        built = deployments(build_application(args))
+        assert [d._deployment_config.graceful_shutdown_timeout_s for d in built] == [45] * len(built)
+        # No num_replicas from code unless asked for, so a config file's autoscaling_config applies as it is.
+        assert all("num_replicas" not in d._deployment_config.user_configured_option_names for d in built)
+    with pytest.raises(ValueError, match="drain_timeout_s: Input should be greater than 0"):
+        app_args(cli.build_parser().parse_args(["serve", "--drain-timeout-s", "0"]))
