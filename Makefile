@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,13 @@ bench: install
 	$(DSA) random-checkpoint --out build/v4_small --shape small
 	$(DSA) bench prefill --model build/v4_small --cp-size 2 --cp-strategy interleave --cp-impl v2 --prompt-len 1024,2048,4096 --repeats 2 --json > $(BENCH_DIR)/prefill_v4.json
 	$(DSA) bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes.md
+
+# A real `dsa-serve serve` under SOAK_S seconds of mixed load with disconnects (10 minutes, plus about 2 of start,
+# snapshots and stop): JSON in $(BENCH_DIR)/soak.json, progress and a summary on stderr, exit 1 if a check fails.
+SOAK_S ?= 600
+soak: install
+	mkdir -p $(BENCH_DIR)
+	$(DSA) bench soak --duration-s $(SOAK_S) --json --server-log $(BENCH_DIR)/soak_server.log > $(BENCH_DIR)/soak.json
 
 clean:
 	rm -rf $(VENV)

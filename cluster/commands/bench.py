@@ -3,7 +3,8 @@
 prefill: CP scaling over prompt lengths; attention: sparse vs dense per layer; decode: MTP speculation;
 serve: HTTP load against the in-process engine and `transformers`; ep: expert parallelism against none on one
 group; ep-exchange: the MoE exchange's collective shapes at DeepSeek-V3.2 sizes; kv-cache: FP8 vs bf16 KV
-accuracy and bytes; report: BENCHMARKS.md from results.
+accuracy and bytes; soak: a real server under mixed load with disconnects, checked for leaks; report: BENCHMARKS.md
+from results.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cluster.bench import (
     prefill,
     report,
     serve,
+    soak,
 )
 
 
@@ -30,4 +32,5 @@ def add_parser(commands) -> None:
     expert_parallel.add_parser(kinds)
     ep_exchange.add_parser(kinds)
     kv_cache.add_parser(kinds)
+    soak.add_parser(kinds)
     report.add_parser(kinds)
