@@ -25,7 +25,6 @@ and waits for their streams, since serve.shutdown() stops the proxies too.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -44,6 +43,7 @@ from cluster.rank_repair import RayRankRepair
 from cluster.ray_metrics import replica_metrics
 from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import IngressSettings, ServeAppArgs
+from cp_router.console_log import configure_console_logging
 from cp_router.engine import GenerationEngine
 from cp_router.protocol import EngineChunk, EngineRequest, ModelInfo
 from model_workers.checkpoint.model_dir import resolve_model_dir
@@ -130,13 +130,9 @@ def ingress_settings(args: ServeAppArgs, model_dir: Path) -> IngressSettings:
 
 
 def configure_access_log() -> None:
-    """One INFO line per HTTP request on stderr (`dsa_serve.access`), forwarded to the driver by Ray."""
-    logger = logging.getLogger("dsa_serve")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    """One INFO line per HTTP request on stderr (`dsa_serve.access`), forwarded to the driver by Ray; the engine's
+    and the ranks' lines too (cp_router/console_log.py)."""
+    configure_console_logging()
 
 
 class DrainableHTTP:

@@ -26,6 +26,7 @@ from model_workers.cp_prefill import PrefillContext, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
 from model_workers.kv_cache import PageTable
+from model_workers.load_progress import LoadProgress
 from model_workers.model.batch_invariant import BatchInvariantMode
 from model_workers.phase_clock import PhaseClock
 from model_workers.precision import compute_dtype, storage_dtype
@@ -75,10 +76,11 @@ class CPWorker:
         deterministic: every step batch-invariant (batch_invariant.py), for --enable-deterministic-inference."""
         if ep_size not in (1, self.cp_size):
             raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {ep_size}")
-        storage = storage_dtype(dtype)
+        storage, progress = storage_dtype(dtype), LoadProgress(self.cp_rank, model_dir)  # lines on the console
         model, self.load_report = load_model_with_report(
             model_dir, dtype=compute_dtype(storage, self.device), device=self.device, progress=False,
-            ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size)
+            ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size, on_read=progress.read)
+        progress.done(self.load_report.total_bytes)
         self.exchange = ExpertExchange(self.comm, deterministic) if ep_size > 1 else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
                                   kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype,

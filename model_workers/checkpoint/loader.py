@@ -15,6 +15,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -98,9 +99,10 @@ def load_model(
 
 def load_model_with_report(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True,
-    ep_rank: int = 0, ep_size: int = 1,
+    ep_rank: int = 0, ep_size: int = 1, on_read: Callable[[int], None] | None = None,
 ) -> tuple[DSAForCausalLM, LoadReport]:
-    """The model of expert-parallel rank `ep_rank` of `ep_size` (all experts when ep_size = 1), and what it read."""
+    """The model of expert-parallel rank `ep_rank` of `ep_size` (all experts when ep_size = 1), and what it read;
+    `on_read(nbytes)` after each checkpoint tensor read (load progress)."""
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     experts = owned_experts(config.n_routed_experts, ep_rank, ep_size)
@@ -125,7 +127,7 @@ def load_model_with_report(
     model.to_empty(device=device)
     params = _target_tensors(model, dtype)
     report = LoadReport(config.num_hidden_layers)
-    _fill(params, entries, config, experts, report, progress)
+    _fill(params, entries, config, experts, report, progress, on_read)
     model.eval().requires_grad_(False)
     return model, report
 
@@ -145,7 +147,7 @@ def _target_tensors(model: DSAForCausalLM, dtype: torch.dtype) -> dict[str, torc
 
 
 def _fill(targets, entries: Entries, config: ModelConfig | V4Config, experts: range, report: LoadReport,
-          progress: bool) -> None:
+          progress: bool, on_read: Callable[[int], None] | None = None) -> None:
     loaded: set[str] = set()
     skip = _ignorable(config, set(entries))
     by_file: dict[Path, list[str]] = {}
@@ -165,6 +167,8 @@ def _fill(targets, entries: Entries, config: ModelConfig | V4Config, experts: ra
                 tensor = _read(handle, name, entries, config, experts, report)
                 loaded |= _copy_into(targets, name, tensor, experts)
                 bar.update(1)
+                if on_read is not None:
+                    on_read(report.bytes_read[name])
     bar.close()
     missing = sorted(set().union(*(_pieces(name, t) for name, t in targets.items())) - loaded)
     if missing:
