@@ -1,4 +1,5 @@
-"""Reading a JSON request body defensively: content type, size limit, UTF-8, JSON, then the pydantic model.
+"""Reading a JSON request body defensively: content type, size limit, UTF-8, JSON (at most MAX_JSON_DEPTH levels
+deep, no lone UTF-16 surrogate in any string), then the pydantic model.
 
 Each step fails with its own 400 (or 413) naming what is wrong, so no malformed input reaches a route.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, TypeVar, get_args
 
 from fastapi import Request
@@ -16,6 +18,9 @@ from cluster.http_api.errors import APIError, bad_request, validation_error
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 logger = logging.getLogger(__name__)
+MAX_JSON_DEPTH = 100  # nested arrays / objects; deeper bodies would exhaust the recursion of validators and templates
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")  # how a lone surrogate can get into valid UTF-8 JSON
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # left after json.loads (it joins the valid pairs)
 
 
 def _is_json_media_type(content_type: str) -> bool:
@@ -69,9 +74,38 @@ def decode_json(raw: bytes) -> Any:
         raise bad_request(f"request body is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}",
                           code="invalid_encoding") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        payload = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    check_structure(payload, strings=SURROGATE_ESCAPE.search(text) is not None)
+    return payload
+
+
+def _lone_surrogate(where: str, text: str) -> APIError:
+    surrogate = LONE_SURROGATE.search(text).group()
+    return bad_request(f"{where or 'request body'}: contains the lone UTF-16 surrogate \\u{ord(surrogate):04x}, which "
+                       "is not text; send valid Unicode", param=where or None, code="invalid_encoding")
+
+
+def check_structure(payload: Any, strings: bool) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH and (when `strings`) for a lone surrogate in a key or string.
+
+    Iterative, so no depth of input can exhaust the recursion limit here."""
+    pending = [(payload, 1, "")]
+    while pending:
+        value, depth, where = pending.pop()
+        if isinstance(value, str) and LONE_SURROGATE.search(value):
+            raise _lone_surrogate(where, value)
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            field = where.split(".", 1)[0]
+            raise bad_request(f"{field}: nested deeper than {MAX_JSON_DEPTH} levels", param=field, code="invalid_json")
+        for key, child in value.items() if isinstance(value, dict) else enumerate(value):
+            if strings and isinstance(key, str) and LONE_SURROGATE.search(key):
+                raise _lone_surrogate(where, key)
+            if isinstance(child, (dict, list)) or (strings and isinstance(child, str)):
+                pending.append((child, depth + 1, f"{where}.{key}" if where else str(key)))
 
 
 def validate_body(payload: Any, model: type[ModelT]) -> ModelT:

@@ -11,11 +11,12 @@ check: `tool_calls_for`.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from cluster.http_api.openai_requests import MAX_LOGPROBS, RequestModel, SamplingRequest
+from cluster.http_api.openapi_schema import without_null
 
 MAX_TOOLS = 128  # as OpenAI
 FUNCTION_NAME = r"^[A-Za-z0-9_.:\-]{1,64}$"  # OpenAI's letters, digits, _ and -, plus the . and : of namespaced tools
@@ -43,9 +44,14 @@ class ToolSpec(RequestModel):
     function: FunctionSpec
 
 
+ARGUMENTS_SCHEMA = {"anyOf": [{"type": "string", "description": "a JSON object as text",
+                                "contentMediaType": "application/json", "contentSchema": {"type": "object"}},
+                               {"type": "object"}]}
+
+
 class FunctionCallIn(RequestModel):
     name: str = Field(pattern=FUNCTION_NAME)
-    arguments: dict[str, Any]
+    arguments: Annotated[dict[str, Any], WithJsonSchema(ARGUMENTS_SCHEMA)]
 
     @field_validator("arguments", mode="before")
     @classmethod
@@ -75,7 +81,24 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
+def _role_rules(schema: dict[str, Any]) -> None:
+    """The published side of `_fields_of_the_role`: one variant per role, as OpenAI's own schema has them."""
+    properties = schema["properties"]
+    content, calls = without_null(properties["content"]), without_null(properties["tool_calls"])["anyOf"][0]
+    no_calls = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+    schema["anyOf"] = [
+        {"properties": {"role": {"enum": ["system", "developer", "user"]}, "content": content, "tool_calls": no_calls},
+         "required": ["content"]},
+        {"properties": {"role": {"const": "assistant"}, "content": content}, "required": ["content"]},
+        {"properties": {"role": {"const": "assistant"}, "tool_calls": {**calls, "minItems": 1}},
+         "required": ["tool_calls"]},
+        {"properties": {"role": {"const": "tool"}, "content": content, "tool_calls": no_calls,
+                        "tool_call_id": {"type": "string", "minLength": 1}}, "required": ["content", "tool_call_id"]}]
+
+
 class ChatMessage(RequestModel):
+    model_config = ConfigDict(json_schema_extra=_role_rules)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

@@ -1,10 +1,10 @@
 """The HTTP ingress: an OpenAI-style FastAPI app over an `EngineClient` (see cluster/engine_protocol.py).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (404 unless the checkpoint has a chat template),
-GET /v1/models, GET /health, GET /metrics, and utility_routes.py's (/v1/models/{id}, /tokenize, /detokenize,
-/version). The model answers to its served names (`IngressSettings.served_model_name`, default its folder's).
-The /v1 routes need `Authorization: Bearer <key>` when an API
-key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY); /health and /metrics are open, for
+GET /v1/models, GET /health, GET /metrics, GET /openapi.json (openapi_schema.py), and utility_routes.py's
+(/v1/models/{id}, /tokenize, /detokenize, /version). The model answers to its served names
+(`IngressSettings.served_model_name`, default its folder's). The /v1 routes need `Authorization: Bearer <key>` when
+an API key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY); /health and /metrics are open, for
 probes and scrapers. Everything is validated and tokenized here, before the engine is reached. Once
 `app.state.admission` drains (middleware.Admission), generation routes and /health answer 503 + Retry-After.
 """
@@ -29,13 +29,20 @@ from cluster.http_api.generation import Generation, respond_stream, respond_whol
 from cluster.http_api.middleware import AccessLogMiddleware, Admission, ConcurrencyLimitMiddleware, api_key_dependency
 from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
 from cluster.http_api.openai_requests import CompletionRequest, ModelLimits, SamplingRequest
-from cluster.http_api.openai_responses import ModelCard, ModelList
+from cluster.http_api.openai_responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from cluster.http_api.openapi_schema import JSONOperation, install_openapi
 from cluster.http_api.prompt_encoding import PromptEncoder
 from cluster.http_api.reasoning import opens_reasoning
 from cluster.http_api.tool_stream import tool_call_setup
 from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
-from cluster.serve_settings import IngressSettings
 from cluster.ray_metrics import replica_metrics
+from cluster.serve_settings import IngressSettings
 from cp_router.metrics import MetricsScrapeError, ServeMetrics, merge_metrics_text
 from cp_router.protocol import EngineClient, ModelInfo, one_line
 from model_workers.checkpoint.generation_config import sampling_defaults
@@ -43,6 +50,9 @@ from model_workers.checkpoint.tokenizer import CheckpointText
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 metrics_logger = logging.getLogger("dsa_serve.metrics")
+JSON_OPERATIONS = {"/v1/completions": JSONOperation(CompletionRequest, CompletionResponse, CompletionResponse),
+                   "/v1/chat/completions": JSONOperation(ChatCompletionRequest, ChatCompletionResponse,
+                                                         ChatCompletionChunk)}
 
 
 @dataclass(frozen=True)
@@ -189,7 +199,7 @@ def build_app(engine_client: EngineClient, settings: IngressSettings | None = No
     colocated placement); otherwise they are read from `settings.model_dir`."""
     settings = settings or IngressSettings()
     ingress = _open_ingress(engine_client, settings, text)
-    app = FastAPI(title="dsa-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dsa-serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
     app.state.admission = Admission(settings.retry_after_s)  # the drain gate (cluster/serve_app.py drains it)
     app.add_middleware(ConcurrencyLimitMiddleware, paths=GENERATION_PATHS, limit=settings.max_ongoing_requests,
@@ -202,5 +212,6 @@ def build_app(engine_client: EngineClient, settings: IngressSettings | None = No
     authorized = Depends(api_key_dependency(settings.resolved_api_key()))
     _add_routes(app, ingress, authorized)
     add_utility_routes(app, ingress, authorized)
+    install_openapi(app, JSON_OPERATIONS)
     app.state.ingress = ingress
     return app

@@ -7,13 +7,15 @@ Field rules follow OpenAI: max_tokens >= 1, temperature in [0, 2], top_p in (0, 
 min_tokens, ignore_eos, stop_token_ids, prompt_logprobs 0..20. An explicit JSON null means "the default". Fields
 this server knows but does not implement yet are accepted only at their no-op value (e.g. best_of 1, suffix "") and
 rejected otherwise; unknown fields are ignored, as vLLM does, and named in one log line per request (body.py).
-Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`.
+Checks needing the model (vocabulary, context window) run after tokenization: `ModelLimits`. A number with no
+fraction (10.0) is an integer, as in JSON Schema; the models' JSON schemas (GET /openapi.json) publish these rules.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, get_args
 
 from pydantic import (
     AfterValidator,
@@ -22,11 +24,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from cluster.http_api.errors import bad_request
+from cluster.http_api.openapi_schema import optional_fields_take_null
 
 MAX_N = 16
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -37,21 +41,30 @@ MAX_SEED = 2**63 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # a logit_bias key: a token id (int64) as a string
 PROMPT_SHAPES = "a non-empty string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
 def _only(no_op: Any) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
-        if value is not None and value != no_op:
+        if value is not None and (type(value) is not type(no_op) or value != no_op):  # true is not 1
             raise ValueError(f"is not supported by this server; omit it or send {no_op!r}")
         return value
 
     return check
 
 
-TextFormatOnly = Annotated[Any, AfterValidator(_only({"type": "text"}))]
-OneOnly = Annotated[Any, AfterValidator(_only(1))]
-EmptyTextOnly = Annotated[Any, AfterValidator(_only(""))]
+def _no_op_field(no_op: Any) -> Any:
+    """A field accepted only at `no_op` (or null), and published so."""
+    return Annotated[Any, AfterValidator(_only(no_op)), WithJsonSchema({"anyOf": [{"const": no_op}, {"type": "null"}]})]
+
+
+TextFormatOnly = _no_op_field({"type": "text"})
+OneOnly = _no_op_field(1)
+EmptyTextOnly = _no_op_field("")
+STOP_TEXT_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+STOP_SCHEMA = {"anyOf": [STOP_TEXT_SCHEMA, {"type": "array", "items": STOP_TEXT_SCHEMA, "maxItems": MAX_STOP_STRINGS}]}
+StopStrings = Annotated[list[str], WithJsonSchema(STOP_SCHEMA)]  # one string or a list (`_stop_as_list`)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -82,10 +95,38 @@ def _check_prompt(value: Any) -> Any:
 PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
 
 
+def _takes_ints(annotation: Any) -> bool:
+    """Whether a field's type holds integers and no other numbers (int, int | None, list[int], PromptInput...)."""
+    found = set()
+    pending = [annotation]
+    while pending:
+        current = pending.pop()
+        found.add(current)
+        pending += get_args(current)
+    return int in found and float not in found and Any not in found
+
+
+def _integral_as_int(value: Any, depth: int = 2) -> Any:
+    """10.0 as 10, in lists too down to `depth` (list[list[int]] is the deepest integer field)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral_as_int(item, depth - 1) for item in value] if isinstance(value, list) and depth else value
+
+
 class RequestModel(BaseModel):
     """A part of a request body: strict types, unknown fields ignored (and named in the log, body.py)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, data: Any) -> Any:
+        """JSON has one kind of number: 10.0 is the integer 10 (as the published JSON schema's "integer" says)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: _integral_as_int(value) if key in fields and _takes_ints(fields[key].annotation) else value
+                for key, value in data.items()}
 
 
 class StreamOptions(RequestModel):
@@ -96,12 +137,14 @@ class StreamOptions(RequestModel):
 class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
+    model_config = ConfigDict(json_schema_extra=optional_fields_take_null)  # `_null_means_default`, published
+
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: list[str] = Field(default_factory=list)
+    stop: StopStrings = Field(default_factory=list)
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
@@ -131,8 +174,8 @@ class SamplingRequest(RequestModel):
     @classmethod
     def _bias_keys_are_token_ids(cls, value: dict[str, float]) -> dict[str, float]:
         for key, bias in value.items():
-            if not key.strip().lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids (as strings), got {key!r}")
+            if not TOKEN_ID_KEY.fullmatch(key.strip()):  # ASCII digits: int() must read it ("²".isdigit() is true)
+                raise ValueError(f"keys must be token ids (as strings), got {key!r:.80}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return value
