@@ -39,7 +39,8 @@ def test_acceptance_length_per_position_and_kv_use_panels():
 
 
 def test_the_request_histograms_have_quantile_panels():
-    quantiles = " ".join(t["expr"] for targets in panels().values() for t in targets if "histogram_quantile" in t["expr"])
+    exprs = [target["expr"] for targets in panels().values() for target in targets]
+    quantiles = " ".join(expr for expr in exprs if "histogram_quantile" in expr)
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens"):
         assert f"dsa_serve:{name}_bucket" in quantiles, name
