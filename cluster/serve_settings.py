@@ -35,6 +35,7 @@ class IngressSettings(BaseModel):
     api_key: SecretStr | None = None  # None: read DSA_SERVE_API_KEY; neither set: no authentication
     max_ongoing_requests: int = Field(256, ge=1)  # HTTP generation requests in flight; beyond: 429
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies: 413
+    body_timeout_s: float = Field(30.0, gt=0)  # a request body not all received within this: 408 (slow senders)
     retry_after_s: int = Field(1, ge=1)  # the Retry-After of a 429
     # `replica` label of the ingress's own metrics; None: ingress-<Serve replica id> (outside Serve: hostname:pid)
     metrics_replica: str | None = Field(None, min_length=1)

@@ -1,11 +1,13 @@
 """Reading a JSON request body defensively: content type, size limit, UTF-8, JSON (at most MAX_JSON_DEPTH levels
 deep, no lone UTF-16 surrogate in any string), then the pydantic model.
 
-Each step fails with its own 400 (or 413) naming what is wrong, so no malformed input reaches a route.
+Each step fails with its own 400 (413: too large, 408: the body stopped arriving) naming what is wrong, so no
+malformed input reaches a route.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -49,17 +51,27 @@ def _declared_length(request: Request) -> int | None:
     return int(declared)
 
 
-async def read_limited_body(request: Request, max_bytes: int) -> bytes:
-    """The raw body; 413 as soon as the declared or the received size passes `max_bytes`."""
+async def read_limited_body(request: Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The raw body; 413 as soon as the declared or the received size passes `max_bytes`, 408 when it is not all
+    in within `timeout_s` (a client that stops sending would otherwise hold its request slot forever)."""
     declared = _declared_length(request)
     if declared is not None and declared > max_bytes:
         raise _too_large(declared, max_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(size, max_bytes)
-        chunks.append(chunk)
+    chunks = []
+
+    async def receive_all() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(size, max_bytes)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive_all(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s ({sum(map(len, chunks))} bytes "
+                            "received)", code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -147,6 +159,7 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [m for arg in get_args(annotation) for m in _models_in(arg)]
 
 
-async def read_json_body(request: Request, model: type[ModelT], max_bytes: int) -> ModelT:
+async def read_json_body(request: Request, model: type[ModelT], max_bytes: int,
+                         timeout_s: float | None = None) -> ModelT:
     check_content_type(request)
-    return validate_body(decode_json(await read_limited_body(request, max_bytes)), model)
+    return validate_body(decode_json(await read_limited_body(request, max_bytes, timeout_s)), model)

@@ -116,7 +116,7 @@ class Ingress:
         return JSONResponse(whole.model_dump(mode="json"))
 
     async def read(self, request: Request, model: type[SamplingRequest]) -> SamplingRequest:
-        body = await read_json_body(request, model, self.settings.max_body_bytes)
+        body = await read_json_body(request, model, self.settings.max_body_bytes, self.settings.body_timeout_s)
         unset = {key: value for key, value in self.sampling_defaults.items() if key not in body.model_fields_set}
         body = body.model_copy(update=unset) if unset else body
         if body.user is not None:

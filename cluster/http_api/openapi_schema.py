@@ -16,13 +16,14 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
-from cluster.http_api.errors import ERROR_TYPES, ErrorBody
+from cluster.http_api.errors import APIError, ErrorBody
 from cluster.http_api.openai_responses import SSE_DONE
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 SSE_DONE_DATA = SSE_DONE.removeprefix("data: ").strip()  # "[DONE]", the data of the last event
 ERROR_STATUSES = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
-                  404: "unknown model or route", 413: "request body too large",
+                  404: "unknown model or route", 408: "the request body stopped arriving",
+                  413: "request body too large",
                   429: "too many requests in flight (Retry-After)", 503: "engine overloaded or draining (Retry-After)"}
 
 
@@ -68,7 +69,7 @@ def _schemas(operations: Mapping[str, JSONOperation]) -> tuple[dict, dict[str, A
 
 
 def _error_response(status: int, error_ref: dict) -> dict[str, Any]:
-    return {"description": f"{ERROR_TYPES[status]}: {ERROR_STATUSES[status]}",
+    return {"description": f"{APIError(status, '').type}: {ERROR_STATUSES[status]}",
             "content": {"application/json": {"schema": error_ref}}}
 
 

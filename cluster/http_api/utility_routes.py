@@ -46,7 +46,8 @@ def add_utility_routes(app: FastAPI, ingress, authorized: params.Depends) -> Non
 
     @app.post("/tokenize", dependencies=[authorized])
     async def tokenize(request: Request) -> JSONResponse:
-        body = await read_json_body(request, TokenizeRequest, ingress.settings.max_body_bytes)
+        body = await read_json_body(request, TokenizeRequest, ingress.settings.max_body_bytes,
+                                    ingress.settings.body_timeout_s)
         ingress.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt or messages", param="prompt")
@@ -62,7 +63,8 @@ def add_utility_routes(app: FastAPI, ingress, authorized: params.Depends) -> Non
 
     @app.post("/detokenize", dependencies=[authorized])
     async def detokenize(request: Request) -> JSONResponse:
-        body = await read_json_body(request, DetokenizeRequest, ingress.settings.max_body_bytes)
+        body = await read_json_body(request, DetokenizeRequest, ingress.settings.max_body_bytes,
+                                    ingress.settings.body_timeout_s)
         ingress.check_model(body.model)
         ingress.limits.check_token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": ingress.encoder.decode(body.tokens)})

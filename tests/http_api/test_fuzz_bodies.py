@@ -235,7 +235,7 @@ def test_slow_and_abandoning_senders(app, loop):
         path, pieces, delay_s, hang_up = drawn
         reached = len(engine.requests)
         answer = loop.run_until_complete(send_raw(app, path, pieces, {"content-type": "application/json"}, delay_s,
-                                                  hang_up))
+                                                  "hang_up" if hang_up else "finish"))
         tally.extra["pieces"] += len(pieces)
         tally.extra["abandoned"] += hang_up
         problem = tally.record(answer.status, answer.content_type, answer.body, f"{len(pieces)} pieces")

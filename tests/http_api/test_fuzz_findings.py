@@ -3,11 +3,13 @@
 * a lone UTF-16 surrogate (`"\\ud800"`) in a prompt or a message reached the tokenizer: 500 (TypeError);
 * a logit_bias key of ASCII-looking digits int() cannot read ("²", "--5", 5000 digits): 500 (ValueError);
 * nesting 500+ levels deep inside a field: RecursionError in the validators (500); now a 400 past MAX_JSON_DEPTH;
-* `10.0` for an integer field, valid for the published schema ("integer"), was rejected; `true` passed as best_of 1.
+* `10.0` for an integer field, valid for the published schema ("integer"), was rejected; `true` passed as best_of 1;
+* a client that stopped sending mid-body held its request (and a concurrency slot) forever; now a 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -18,7 +20,7 @@ from cluster.http_api.ingress import build_app
 from cluster.http_api.openai_requests import CompletionRequest
 from cluster.serve_settings import IngressSettings
 from cp_router.protocol import ModelInfo
-from support.fuzz import openai_error_problem
+from support.fuzz import openai_error_problem, send_raw
 from support.http_fakes import VOCAB_SIZE, FakeEngine
 
 INFO = ModelInfo(name="tiny-dsa", vocab_size=VOCAB_SIZE, max_model_len=96, has_chat_template=True)
@@ -111,3 +113,20 @@ def test_an_integral_number_is_an_integer_as_the_schema_says(served):
 def test_a_no_op_field_takes_only_its_no_op_value(served, field, value):
     assert_error(post(served[1], COMPLETION % f'"{field}": {value}'), 400, field)
     assert post(served[1], COMPLETION % '"best_of": 1, "suffix": ""').status_code == 200
+
+
+@pytest.mark.parametrize("pieces", [[], [b'{"prompt": "hel'], [b'{"prompt": "hello"}']])
+def test_a_client_that_stops_sending_gets_a_408_and_never_reaches_the_engine(checkpoint, pieces):
+    engine = FakeEngine(INFO)
+    app = build_app(engine, IngressSettings(model_dir=str(checkpoint), body_timeout_s=0.2, max_ongoing_requests=1))
+    loop = asyncio.new_event_loop()
+    try:
+        stalled = loop.run_until_complete(send_raw(app, "/v1/completions", pieces,
+                                                   {"content-type": "application/json"}, end="stall"))
+        served = loop.run_until_complete(send_raw(app, "/v1/completions", [b'{"prompt": "hello", "max_tokens": 2}'],
+                                                  {"content-type": "application/json"}))
+    finally:
+        loop.close()
+    assert stalled.status == 408 and openai_error_problem(408, stalled.content_type, stalled.body) is None
+    assert json.loads(stalled.body)["error"]["code"] == "request_timeout"
+    assert len(engine.requests) == 1 and served.status == 200  # the slot was given back

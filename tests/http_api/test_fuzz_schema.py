@@ -100,7 +100,7 @@ def test_the_schema_describes_the_generation_bodies(fake_schema):
         operation = document["paths"][path]["post"]
         body = operation["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].split("/")[-1] in document["components"]["schemas"]
-        assert {"200", "400", "404", "413", "429", "503"} <= set(operation["responses"])
+        assert {"200", "400", "404", "408", "413", "429", "503"} <= set(operation["responses"])
         assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     completion = document["components"]["schemas"]["CompletionRequest"]
     assert completion["required"] == ["prompt"]

@@ -114,13 +114,15 @@ class RawAnswer:
 
 
 async def send_raw(app, path: str, pieces: list[bytes], headers: dict[str, str], delay_s: float = 0.0,
-                   hang_up: bool = False, timeout_s: float = 10.0) -> RawAnswer:
-    """POST `pieces` as separate ASGI receive messages, `delay_s` apart; `hang_up`: the client disconnects after
-    the last piece instead of finishing the body. Status 0: the app sent nothing (it saw the client leave)."""
-    queue = [{"type": "http.request", "body": piece, "more_body": hang_up or i < len(pieces) - 1}
-             for i, piece in enumerate(pieces)] or [{"type": "http.request", "body": b"", "more_body": hang_up}]
+                   end: str = "finish", timeout_s: float = 10.0) -> RawAnswer:
+    """POST `pieces` as separate ASGI receive messages, `delay_s` apart. `end`: "finish" (the last piece ends the
+    body), "hang_up" (the client disconnects instead) or "stall" (it neither sends more nor leaves). Status 0: the
+    app sent nothing."""
+    more = end != "finish"
+    queue = [{"type": "http.request", "body": piece, "more_body": more or i < len(pieces) - 1}
+             for i, piece in enumerate(pieces)] or [{"type": "http.request", "body": b"", "more_body": more}]
     sent: list[dict] = []
-    finished = asyncio.Event()
+    finished, forever = asyncio.Event(), asyncio.Event()
     disconnected = False
 
     async def receive() -> dict:
@@ -129,10 +131,10 @@ async def send_raw(app, path: str, pieces: list[bytes], headers: dict[str, str],
             if delay_s:
                 await asyncio.sleep(delay_s)
             return queue.pop(0)
-        if hang_up:
+        if end == "hang_up":
             disconnected = True
             return {"type": "http.disconnect"}
-        await finished.wait()  # a complete request: the client stays until the answer is in
+        await (forever if end == "stall" else finished).wait()  # a complete request: the client waits for the answer
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
