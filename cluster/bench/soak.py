@@ -102,9 +102,12 @@ class RssSampler:
         """Seconds and phase of each sample, and per process (labelled) its MiB at each (None: not alive)."""
         pids = sorted({pid for _, _, table in self.samples for pid in table})
         names = {pid: labels.get(pid) or next(t[pid][0] for _, _, t in self.samples if pid in t) for pid in pids}
+        mib = {f"{names[pid]} ({pid})": [round(t[pid][1], 1) if pid in t else None for _, _, t in self.samples]
+               for pid in pids}
+        summary = {name: {"first": alive[0], "min": min(alive), "max": max(alive), "last": alive[-1]}
+                   for name, values in mib.items() if (alive := [v for v in values if v is not None])}
         return {"t_s": [round(t, 1) for t, _, _ in self.samples], "phase": [p for _, p, _ in self.samples],
-                "mib": {f"{names[pid]} ({pid})": [round(t[pid][1], 1) if pid in t else None for _, _, t in self.samples]
-                        for pid in pids}}
+                "summary_mib": summary, "mib": mib}
 
 
 def snapshot(root_pid: int) -> dict:

@@ -12,6 +12,7 @@ from collections import deque
 
 import pytest
 
+from cluster.bench.soak import RssSampler
 from cluster.bench.soak_load import FAILURES, KINDS, tally
 from cluster.bench.soak_probe import container_sizes, engine_gauges, short_actor_name
 from cluster.bench.soak_verdict import Limits, verdict
@@ -114,6 +115,17 @@ def test_container_sizes_and_actor_names():
     assert short_actor_name("SERVE_REPLICA::dsa-serve#DSAEngine#ab12") == "DSAEngine#ab12"
     assert short_actor_name("SERVE_PROXY_ACTOR-0123456789abcdef") == "ProxyActor@01234567"
     assert short_actor_name("SERVE_CONTROLLER_ACTOR") == "ServeController"
+
+
+def test_rss_series_labels_processes_and_summarizes_each():
+    sampler = RssSampler(root_pid=1, period_s=1)
+    sampler.samples = [(0.0, "warmup", {5: ("ray::CPWorker", 10.0)}),
+                       (1.0, "steady", {5: ("ray::CPWorker", 12.0), 6: ("ray::IDLE", 3.0)}),
+                       (2.0, "idle", {5: ("ray::CPWorker", 11.0)})]
+    series = sampler.series({5: "DSAEngine#a/cp_rank=0"})
+    assert series["phase"] == ["warmup", "steady", "idle"]
+    assert series["mib"] == {"DSAEngine#a/cp_rank=0 (5)": [10.0, 12.0, 11.0], "ray::IDLE (6)": [None, 3.0, None]}
+    assert series["summary_mib"]["DSAEngine#a/cp_rank=0 (5)"] == {"first": 10.0, "min": 10.0, "max": 12.0, "last": 11.0}
 
 
 @pytest.mark.parametrize("argv, named", [
