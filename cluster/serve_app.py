@@ -97,6 +97,7 @@ class DSAEngine:
     """One CP group and the `GenerationEngine` driving it."""
 
     def __init__(self, args: ServeAppArgs):
+        configure_access_log()  # the engine's own lines (recoveries, progress) reach the server's output too
         text = load_checkpoint_text(resolve_model_dir(args.model), args.chat_template)
         self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, text)
 
