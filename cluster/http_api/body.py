@@ -22,6 +22,7 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 logger = logging.getLogger(__name__)
 MAX_JSON_DEPTH = 100  # nested arrays / objects; deeper bodies would exhaust the recursion of validators and templates
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")  # how a lone surrogate can get into valid UTF-8 JSON
+MAX_LOGGED_FIELDS, MAX_LOGGED_NAME = 20, 64  # of the unknown fields named in the log line
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # left after json.loads (it joins the valid pairs)
 
 
@@ -130,8 +131,15 @@ def validate_body(payload: Any, model: type[ModelT]) -> ModelT:
         raise validation_error(exc.errors(), model.model_fields) from None
     ignored = unknown_fields(payload, model)
     if ignored:
-        logger.warning("ignored unknown request fields: %s", ", ".join(ignored))
+        logger.warning("ignored unknown request fields: %s", _loggable(ignored))
     return body
+
+
+def _loggable(names: list[str]) -> str:
+    """Field names for one log line: control characters escaped, each name and their number bounded."""
+    shown = [name if name.isprintable() else repr(name) for name in names[:MAX_LOGGED_FIELDS]]
+    text = ", ".join(name if len(name) <= MAX_LOGGED_NAME else name[: MAX_LOGGED_NAME - 3] + "..." for name in shown)
+    return text + (f" (and {len(names) - MAX_LOGGED_FIELDS} more)" if len(names) > MAX_LOGGED_FIELDS else "")
 
 
 def unknown_fields(payload: Any, model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -4,13 +4,15 @@
 * a logit_bias key of ASCII-looking digits int() cannot read ("²", "--5", 5000 digits): 500 (ValueError);
 * nesting 500+ levels deep inside a field: RecursionError in the validators (500); now a 400 past MAX_JSON_DEPTH;
 * `10.0` for an integer field, valid for the published schema ("integer"), was rejected; `true` passed as best_of 1;
-* a client that stopped sending mid-body held its request (and a concurrency slot) forever; now a 408.
+* a client that stopped sending mid-body held its request (and a concurrency slot) forever; now a 408;
+* the log line naming ignored unknown fields carried their raw names (newlines, RTL overrides) and all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 from fastapi.testclient import TestClient
@@ -130,3 +132,14 @@ def test_a_client_that_stops_sending_gets_a_408_and_never_reaches_the_engine(che
     assert stalled.status == 408 and openai_error_problem(408, stalled.content_type, stalled.body) is None
     assert json.loads(stalled.body)["error"]["code"] == "request_timeout"
     assert len(engine.requests) == 1 and served.status == 200  # the slot was given back
+
+
+def test_the_ignored_fields_log_line_is_one_bounded_line(served, caplog):
+    fields = {"x\nFORGED access line": 1, "\u202eevil": 2, "y" * 5000: 3, **{f"extra{i}": i for i in range(100)}}
+    with caplog.at_level(logging.WARNING, logger="cluster.http_api.body"):
+        response = post(served[1], json.dumps({"prompt": "hello", "max_tokens": 2, **fields}))
+    assert response.status_code == 200
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("ignored unknown request fields")]
+    message = record.getMessage()
+    assert "\n" not in message and "\u202e" not in message and len(message) < 2000, message
+    assert "'x\\nFORGED access line'" in message and message.endswith("(and 83 more)")
