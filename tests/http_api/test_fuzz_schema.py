@@ -5,7 +5,7 @@ Checks on every answer: no 5xx; a 4xx is an OpenAI error body; the status, conte
 JSON) the body are the ones the schema documents; a body that breaks the schema is rejected. First over a
 deterministic fake engine, then a few cases over the real default model (real tokenizer, window, sampler).
 
-Each test prints one JSON line of counts (`-s`). Long run:
+Each test prints one JSON line of counts (`-s`). Long run (N cases per fake-engine test, N / 10 on the model):
     DSA_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -s -m fuzz tests/http_api/test_fuzz_schema.py
 """
 

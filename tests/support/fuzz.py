@@ -31,10 +31,10 @@ def fuzz_examples(default: int) -> int:
     return int(value) if value else default
 
 
-def fuzz_settings(default_examples: int) -> settings:
-    """Hypothesis settings of one fuzz test: bounded count, no deadline, the same cases unless in a long run."""
-    return settings(max_examples=fuzz_examples(default_examples), deadline=None, database=None,
-                    derandomize=not long_run(), suppress_health_check=list(HealthCheck))
+def fuzz_settings(examples: int) -> settings:
+    """Hypothesis settings of one fuzz test: `examples` cases, no deadline, the same cases unless in a long run."""
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=not long_run(),
+                    suppress_health_check=list(HealthCheck))
 
 
 def openai_error_problem(status: int, content_type: str, body: bytes) -> str | None:
