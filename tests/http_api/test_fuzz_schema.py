@@ -109,7 +109,7 @@ def test_the_schema_describes_the_generation_bodies(fake_schema):
     assert [option["type"] for option in stop] == ["string", "array"]  # one stop string, or a list
 
 
-@pytest.mark.parametrize("path, examples", zip(ROUTES, [60, 40]))  # chat cases are slower to draw
+@pytest.mark.parametrize("path, examples", list(zip(ROUTES, [60, 40])))  # chat cases are slower to draw
 def test_schemathesis_over_the_fake_engine(fake_schema, path, examples):
     tally = fuzz_operation(fake_schema, path, fuzz_examples(examples), f"schemathesis {path} (fake engine)")
     summary = tally.summary()
