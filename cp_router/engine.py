@@ -13,6 +13,7 @@ per-rank timings, logits and page tables there.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -137,7 +138,11 @@ class GenerationEngine:
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            # In a context of its own: created from a request's context, the loop would carry that request's
+            # identity (Ray's current task), so cancelling that one request (its client left) would cancel the
+            # rank steps of every request in flight.
+            loop = asyncio.get_running_loop()
+            self._task = contextvars.Context().run(loop.create_task, self._loop())
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -174,7 +179,7 @@ class GenerationEngine:
         for request_id, tokens in self.scheduler.apply(step, outputs).items():
             reason, stream = outputs[request_id].finish_reason, self.streams.get(request_id)
             prompt_logprobs = self.scheduler.take_prompt_logprobs(request_id)
-            if stream is not None:
+            if stream is not None and (tokens or reason or prompt_logprobs):  # a resumed prefill emits nothing
                 reason = stream.push(tokens, outputs[request_id].logprobs, reason, prompt_logprobs)
             if reason is not None:
                 self.scheduler.finish(request_id)

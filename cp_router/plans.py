@@ -29,6 +29,10 @@ class PrefillRequest:
     num_generated: int = 0  # prompt tail that is output recomputed after preemption (RNG index, min_tokens)
     context_ids: tuple[int, ...] = ()  # final chunk of a request with penalties: its whole context (prompt + outputs)
     prompt_logprobs: int | None = None  # k >= 0: the owner scores the chunk's prompt tokens (None: off / recompute)
+    # A recomputed request (preempted, or its ranks lost): the output token it already streamed after this
+    # context. It stands in for the sample (the MTP layer and the history take it) and nothing new is emitted,
+    # so decoding goes on exactly where it stopped. None: the final chunk samples the next token.
+    resume_token: int | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ class RequestState:
     num_cached: int = 0  # KV positions 0..num_cached-1 are cached on every rank in `pages`
     pages: dict[int, list[int]] = field(default_factory=dict)  # cp_rank -> its KV pages (scheduler-allocated)
     num_generated_at_prefill: int = 0  # output tokens folded into the context by a recompute
+    resuming: bool = False  # recomputed with output: its last output token is the pending one (no new sample)
     drafted: int = 0
     accepted: int = 0
     num_preemptions: int = 0
@@ -30,8 +31,13 @@ class RequestState:
     prompt_logprobs: list[tuple] | None = None
 
     def context_ids(self) -> list[int]:
-        """What prefill runs over: the prompt, plus earlier output when recomputing after a preemption."""
+        """What prefill runs over: the prompt, plus earlier output but the last token when recomputing (that one
+        is the pending token a decode step appends, as before the recompute)."""
         return self.prompt_ids + self.output_ids[: self.num_generated_at_prefill]
+
+    def resume_token(self) -> int | None:
+        """The streamed token a recompute's final chunk takes instead of a sample (`PrefillRequest.resume_token`)."""
+        return self.output_ids[-1] if self.resuming else None
 
     def remaining_prefill(self) -> int:
         return len(self.context_ids()) - self.num_cached
@@ -40,7 +46,7 @@ class RequestState:
         """Preempted, or its ranks lost their state (its pages already freed): the next prefill runs over the
         prompt + the output so far."""
         self.status, self.owner, self.num_cached, self.pages = WAITING, None, 0, {}
-        self.num_generated_at_prefill = len(self.output_ids)
+        self.num_generated_at_prefill, self.resuming = max(len(self.output_ids) - 1, 0), bool(self.output_ids)
         if self.prompt_logprobs is not None:  # not delivered yet: the new prefill scores the prompt again
             self.prompt_logprobs = []
 

@@ -108,9 +108,11 @@ class Scheduler:
         return len(self.requests) - len(self.waiting)
 
     def _release(self, seq: RequestState) -> None:
-        """Frees every page the request holds; its owner drops the request's draft state at the next step."""
+        """Frees every page the request holds; at the next step its owner drops its draft state, and every rank
+        that holds its pages (mid chunked prefill) the state it keeps there."""
         for cp_rank, pages in seq.pages.items():
             self.allocators[cp_rank].free(pages)
+            self.pending_free[cp_rank].add(seq.request_id)
         seq.pages = {}
         if seq.owner is not None:
             self.pending_free[seq.owner].add(seq.request_id)

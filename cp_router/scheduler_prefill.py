@@ -42,8 +42,8 @@ class PrefillBatch:
             if piece.final:  # only the owner keeps the KV from here on
                 for cp_rank in [r for r in seq.pages if r != owner]:
                     scheduler.allocators[cp_rank].free(seq.pages.pop(cp_rank))
-                seq.status = DECODING
-                seq.output_ids += outputs[piece.request_id].token_ids
+                seq.status, seq.resuming = DECODING, False
+                seq.output_ids += outputs[piece.request_id].token_ids  # none for a resumed request
                 new_tokens[piece.request_id] = list(outputs[piece.request_id].token_ids)
 
 
@@ -116,7 +116,8 @@ def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShar
         end = piece.prefix_len + piece.extend_len
         history = tuple(context) if piece.final and seq.sampling.needs_history else ()
         requests.append(PrefillRequest(seq.request_id, owner, seq.sampling, piece.final, seq.num_generated_at_prefill,
-                                       history, seq.wants_prompt_logprobs()))
+                                       history, seq.wants_prompt_logprobs(),
+                                       seq.resume_token() if piece.final else None))
         chunks.append(context[piece.prefix_len : end])
         next_after.append(None if piece.final else context[end])
     lens, prefixes = [p.extend_len for p in batch.pieces], [p.prefix_len for p in batch.pieces]

@@ -103,27 +103,36 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -
     eos_ids = model.config.eos_token_ids
     histories = [TokenHistory.of(req.context_ids, req.num_generated, model.config.vocab_size) if req.context_ids
                  else None for req in shard.requests]
-    sampled = torch.tensor(  # a non-final chunk's token is never used: its argmax stands in
-        [sample(logits[s], req.sampling, eos_ids, req.num_generated, history=histories[s]) if req.final_chunk
-         else int(logits[s].argmax()) for s, req in enumerate(shard.requests)]
-    )  # [R] int64, equal on every rank (counter-based randomness)
+    sampled = torch.tensor([next_token(logits[s], req, eos_ids, histories[s]) for s, req in enumerate(shard.requests)]
+                           )  # [R] int64, equal on every rank (counter-based randomness)
     outputs = {}
     for s, req in enumerate(shard.requests):
         if req.owner_rank == ctx.cp_rank:
-            token = int(sampled[s])
+            token, emits = int(sampled[s]), req.final_chunk and req.resume_token is None
             if histories[s] is not None:
                 histories[s].add(token)
                 ctx.histories[req.request_id] = histories[s]
-            out = RequestOutput(req.request_id, token, logits[s].cpu() if return_logits else None, token_ids=[token])
-            if req.final_chunk:
+            out = RequestOutput(req.request_id, token, logits[s].cpu() if return_logits else None,
+                                token_ids=[token] if emits or not req.final_chunk else [])
+            if emits:
                 out.finish_reason = req.sampling.finish_reason(token, req.num_generated + 1, eos_ids)
-            if req.sampling.logprobs is not None:
+            if emits and req.sampling.logprobs is not None:
                 out.logprobs = [token_logprob(logits[s], token, req.sampling.logprobs)]
             outputs[req.request_id] = out
     score_prompt(ctx, shard, hidden_global, outputs)
     if model.num_mtp_layers > 0:
         run_mtp_prefill(ctx, shard, batch, hidden_local, sampled, outputs, return_logits)
     return outputs
+
+
+def next_token(logits: torch.Tensor, req, eos_ids: tuple[int, ...], history) -> int:
+    """The token after a request's chunk (logits [vocab]): a resumed request's streamed token, a sample on a
+    final chunk, else an argmax placeholder (a non-final chunk's token is never used)."""
+    if req.resume_token is not None:
+        return req.resume_token
+    if req.final_chunk:
+        return sample(logits, req.sampling, eos_ids, req.num_generated, history=history)
+    return int(logits.argmax())
 
 
 def score_prompt(ctx: PrefillContext, shard: PrefillShard, hidden_global: torch.Tensor,

@@ -43,6 +43,7 @@ class CPWorker:
         self.runner: ModelRunner | None = None
         self.backend: CPBackend | None = None
         self.held: dict[str, HeldRequest] = {}
+        self.prefilling: dict[str, tuple[int, ...]] = {}  # mid chunked prefill here: first page (V4 files state there)
         self.exchange: ExpertExchange | None = None
         self.load_report: LoadReport | None = None
 
@@ -64,8 +65,8 @@ class CPWorker:
         request (its rank-side state too)."""
         self.comm.destroy()
         if self.runner is not None:
-            self.free(list(self.held))
-        self.held = {}
+            self.free([*self.held, *self.prefilling])
+        self.held, self.prefilling = {}, {}
         self.init_comm(master_addr, master_port)
 
     def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64,
@@ -86,7 +87,7 @@ class CPWorker:
                                   kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype,
                                   deterministic=deterministic)
         self.backend = make_backend(self.runner.cache, self.exchange, cp=True, deterministic=deterministic)
-        self.held = {}
+        self.held, self.prefilling = {}, {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 **self.weights_info()}
@@ -156,11 +157,13 @@ class CPWorker:
         return result
 
     def free(self, request_ids: list[str]) -> None:
-        """Drops the state of requests this rank owned (unknown ids are ignored: non-owners hold nothing)."""
+        """Drops the state of requests this rank owned or was prefilling (unknown ids are ignored)."""
         for request_id in request_ids:
-            held = self.held.pop(request_id, None)
+            held, partial = self.held.pop(request_id, None), self.prefilling.pop(request_id, None)
             if held is not None:
                 self.runner.cache.release(held.pages)  # DeepSeek-V4: its per-request state
+            if partial is not None:
+                self.runner.cache.release(partial)  # preempted or aborted between two prefill chunks
 
     def _plan_problem(self, plan: StepPlan) -> str | None:
         """What makes `plan` impossible on this rank (pages too few or outside the cache, a decode of a request
@@ -202,7 +205,7 @@ class CPWorker:
         return {"draft_hidden": held.draft_hidden, "draft_topk": held.draft_topk}
 
     def shutdown(self) -> None:
-        self.held = {}
+        self.held, self.prefilling = {}, {}
         self.comm.destroy()
 
     @torch.inference_mode()
@@ -216,11 +219,15 @@ class CPWorker:
                              self.device)
         outputs = run_prefill(ctx, shard, return_logits)
         for req, pages in zip(shard.requests, shard.page_tables):  # the owner keeps what decoding needs
-            if req.owner_rank == self.cp_rank and req.final_chunk:
+            if not req.final_chunk:
+                self.prefilling[req.request_id] = pages[:1]
+                continue
+            self.prefilling.pop(req.request_id, None)
+            if req.owner_rank == self.cp_rank:
                 self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
                                                         ctx.draft_topk.get(req.request_id), pages[:1],
                                                         ctx.histories.get(req.request_id))
-            elif req.final_chunk:
+            else:
                 self.runner.cache.release(pages)  # DeepSeek-V4: a non-owner's copy of the request's state
         return outputs
 

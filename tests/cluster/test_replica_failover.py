@@ -49,6 +49,31 @@ async def stream(http: httpx.AsyncClient, index: int, started: asyncio.Event) ->
     return result
 
 
+def test_the_first_requests_client_leaving_fails_no_other_request(server):
+    """Runs first on a fresh server: the first request starts each engine's step loop, and its client leaves
+    mid-stream. Its cancellation must not reach the loop (which once carried that request's Ray task identity,
+    so the cancel cancelled every request's rank step: HTTP 500s)."""
+    base_url = server[0]
+
+    async def leave_early(http: httpx.AsyncClient) -> None:
+        body = {"model": "default_model", "prompt": "first", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    return  # closing the response disconnects
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+            first = asyncio.create_task(leave_early(http))
+            await asyncio.sleep(0.5)
+            others = [asyncio.create_task(stream(http, i, asyncio.Event())) for i in range(6)]
+            await first
+            return await asyncio.gather(*others)
+
+    for result in asyncio.run(run()):
+        assert result["status"] == 200 and result["errors"] == [] and result["finish"] == "length", result
+
+
 def test_killing_an_engine_replica_retries_its_queued_requests_elsewhere(server):
     base_url, log_path, server_pid = server
     engines = descendant_pids(server_pid, b"DSAEngine")

@@ -47,9 +47,9 @@ def group():
     ray.shutdown()
 
 
-def engine_for(group, prefill_token_budget: int = 512, repair: RayRankRepair | None = None):
+def engine_for(group, prefill_token_budget: int = 512, repair: RayRankRepair | None = None, k: int = 0):
     options = EngineOptions(dtype=DTYPE, num_pages=NUM_PAGES, page_size=PAGE_SIZE, deterministic=True,
-                            prefill_token_budget=prefill_token_budget)
+                            prefill_token_budget=prefill_token_budget, num_speculative_steps=k)
     return engine_over_workers(MODEL, CP, options, group.workers, repair=repair or RayRankRepair(group.launch))
 
 
@@ -75,6 +75,18 @@ def undisturbed(group):
 
 def test_every_request_finishes_undisturbed(undisturbed):
     assert all(finish == "length" and len(tokens) == 40 for tokens, _, finish in undisturbed.values())
+
+
+def test_with_mtp_speculation_the_resumed_streams_are_bit_exact_too(group):
+    """k = 2, seeded sampling included: the recompute takes the last streamed token as the pending one (no new
+    sample), so the next step drafts and verifies exactly as the undisturbed run did."""
+    requests = REQUESTS[:4]
+    reference = outcomes(engine_for(group, k=2), requests)
+    engine = engine_for(group, k=2)
+    killed = kill_after_steps(engine, group.workers[1], steps=3)
+    assert outcomes(engine, requests) == reference
+    assert killed and engine.recoveries[-1].ok and engine.recoveries[-1].resumed == 4
+    assert_idle(engine, group)
 
 
 def test_killing_a_rank_between_decode_steps_resumes_all_8_streams_bit_exact(group, undisturbed):
