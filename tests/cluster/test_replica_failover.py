@@ -8,12 +8,11 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
 
-from support.serve_process import descendant_pids, free_port, start_server, wait_until_ready
+from support.serve_process import descendant_pids, free_port, start_server, wait_for_log, wait_until_ready
 
 MAX_TOKENS, NUM_REQUESTS = 60, 8
 
@@ -99,8 +98,7 @@ def test_killing_an_engine_replica_retries_its_queued_requests_elsewhere(server)
     for r in results:
         if not r["errors"]:
             assert r["finish"] == "length", results
-    time.sleep(1)
-    assert "died before its first chunk" in log_path.read_text(), "no queued request was retried"
+    assert wait_for_log(log_path, "died before its first chunk"), "no queued request was retried"
     with httpx.Client(base_url=base_url, timeout=120) as http:
         again = http.post("/v1/completions", json={"model": "default_model", "prompt": "x", "max_tokens": 2})
         assert again.status_code == 200

@@ -28,6 +28,7 @@ def start_server(arguments: list[str], log_path: Path, port: int) -> subprocess.
     """`python -m cluster.cli serve --port PORT *arguments`, its output in `log_path`, outside any Ray cluster of
     the caller's environment, with SIGINT ignored as some launchers leave it (Ctrl-C must still stop it)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", API_KEY_ENV)}
+    env["PYTHONUNBUFFERED"] = "1"  # the replicas' lines Ray forwards reach the log file as they come
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *arguments]
     with open(log_path, "w") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -49,6 +50,16 @@ def wait_until_ready(process: subprocess.Popen, base_url: str, log_path: Path, a
         time.sleep(1)
     process.kill()
     pytest.fail(f"dsa-serve serve not ready within {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+
+
+def wait_for_log(log_path: Path, text: str, timeout_s: float = 30.0) -> bool:
+    """Whether `text` shows up in the server's log within `timeout_s` (lines travel from replicas through Ray)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log_path.read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def descendant_pids(root_pid: int, marker: bytes) -> list[int]:
