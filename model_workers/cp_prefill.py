@@ -113,7 +113,7 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -
                 histories[s].add(token)
                 ctx.histories[req.request_id] = histories[s]
             out = RequestOutput(req.request_id, token, logits[s].cpu() if return_logits else None,
-                                token_ids=[token] if emits or not req.final_chunk else [])
+                                token_ids=[] if req.resume_token is not None else [token])
             if emits:
                 out.finish_reason = req.sampling.finish_reason(token, req.num_generated + 1, eos_ids)
             if emits and req.sampling.logprobs is not None:
