@@ -1,4 +1,5 @@
-"""What the benchmarks share: the code prompts they decode and the spelled-out command of a result."""
+"""What the benchmarks share: the code prompts they decode, prompts cut from the held-out source files, and the
+spelled-out command of a result."""
 
 from __future__ import annotations
 
@@ -23,3 +24,53 @@ def spelled_command(kind: str, args: argparse.Namespace, names: tuple[str, ...])
         if value is not True:
             words.append(str(value))
     return shlex.join(words + ["--json"])
+
+
+class _EndOfFileAs:
+    """A tokenizer whose `<|endoftext|>` is the model's EOS id: `token_stream` joins files with it, and a
+    checkpoint's own tokenizer (DeepSeek's, GLM's) names its end-of-text token differently."""
+
+    def __init__(self, tokenizer, eos_id: int):
+        self.tokenizer, self.eos_id = tokenizer, eos_id
+
+    def encode_batch(self, *args, **kwargs):
+        return self.tokenizer.encode_batch(*args, **kwargs)
+
+    def token_to_id(self, token: str) -> int | None:
+        from model_workers.training.corpus import EOS_TOKEN
+
+        return self.eos_id if token == EOS_TOKEN else self.tokenizer.token_to_id(token)
+
+
+def held_out_stream(model_dir, what: str) -> list[int]:
+    """The held-out standard-library sources (model_workers/training/corpus.py) as one token stream of the
+    checkpoint's tokenizer, files joined by EOS; ValueError naming `what` when the checkpoint has no tokenizer."""
+    from model_workers.checkpoint.tokenizer import load_tokenizer
+    from model_workers.model.config import load_model_config
+    from model_workers.training.corpus import EOS_TOKEN, stdlib_files, token_stream
+
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise ValueError(f"--model {model_dir}: {what} needs the checkpoint's tokenizer.json")
+    if tokenizer.token_to_id(EOS_TOKEN) is None:
+        eos_ids = load_model_config(model_dir).eos_token_ids
+        if not eos_ids:
+            raise ValueError(f"--model {model_dir}: {what}: the tokenizer has no {EOS_TOKEN} and config.json no "
+                             "eos_token_id to join the held-out files with")
+        tokenizer = _EndOfFileAs(tokenizer, eos_ids[0])
+    return token_stream(tokenizer, stdlib_files().held_out).tolist()
+
+
+def window_offsets(total: int, count: int, length: int, flags: str) -> list[int]:
+    """Starts of `count` distinct, non-overlapping windows of `length` tokens spread evenly over a stream of
+    `total` tokens (window i at i * ((total - length) // count)); ValueError naming `flags` when they do not fit."""
+    step = (total - length) // max(1, count)
+    if count < 1 or length < 1 or length > total or (count > 1 and step < length):
+        raise ValueError(f"{flags}: {count} non-overlapping prompt(s) of {length} tokens do not fit the "
+                         f"{total} tokens of the held-out files")
+    return [i * step for i in range(count)]
+
+
+def cut_windows(stream: list[int], count: int, length: int, flags: str) -> list[list[int]]:
+    """The windows of `window_offsets` cut from `stream`."""
+    return [stream[start : start + length] for start in window_offsets(len(stream), count, length, flags)]

@@ -13,7 +13,7 @@ import argparse
 import json
 import time
 
-from cluster.bench.common import spelled_command
+from cluster.bench.common import cut_windows, held_out_stream, spelled_command
 
 KV_CACHE_FLAGS = ("model", "prompts", "prompt_len", "max_tokens", "dtype")
 COMPARED = ("bfloat16", "fp8_e4m3")  # reference first
@@ -33,17 +33,7 @@ def add_parser(kinds) -> None:
 
 def held_out_prompts(model_dir, count: int, length: int) -> list[list[int]]:
     """`count` windows of `length` tokens spread over the held-out source files."""
-    from model_workers.checkpoint.tokenizer import load_tokenizer
-    from model_workers.training.corpus import stdlib_files, token_stream
-
-    tokenizer = load_tokenizer(model_dir)
-    if tokenizer is None:
-        raise ValueError(f"--model {model_dir}: bench kv-cache needs the checkpoint's tokenizer.json")
-    stream = token_stream(tokenizer, stdlib_files().held_out).tolist()
-    step = (len(stream) - length) // max(1, count)
-    if step < 1:
-        raise ValueError(f"the held-out files hold {len(stream)} tokens: too few for {count} x {length}")
-    return [stream[i * step : i * step + length] for i in range(count)]
+    return cut_windows(held_out_stream(model_dir, "bench kv-cache"), count, length, "--prompts / --prompt-len")
 
 
 def decode_run(model, kv_cache_dtype: str, storage, prompts: list[list[int]], steps: int, forced=None) -> dict:

@@ -1,7 +1,8 @@
 """PNG plots of bench results: `save_plot(result, path)` picks the plot by result["bench"].
 
 matplotlib is optional (`pip install 'dsa-serve[bench]'`) and imported only when a plot is drawn, with
-the non-interactive Agg backend. The "serve" plot is `cluster.bench.serve_report.plot`.
+the non-interactive Agg backend. The "serve" plot is `cluster.bench.serve_report.plot` (the long workload's:
+`serve_long_report.plot_long`).
 Each plot reads its numbers through a small accessor (`prefill_points`, `decode_series`) so a change
 in a bench's JSON layout is absorbed in one place; the report uses the same accessors.
 """
@@ -45,7 +46,13 @@ def save_plot(result: dict, path: str) -> None:
 
 
 def serve_plot(result: dict, path: str) -> None:
-    plot_serve(result, path)  # draws and saves its own figure (three panels)
+    """Draws and saves its own figure: serve_report's three panels, or the long workload's two."""
+    if result.get("workload") == "long":
+        from cluster.bench.serve_long_report import plot_long
+
+        plot_long(result, path)
+        return
+    plot_serve(result, path)
 
 
 def plot_attention(result: dict, plt):

@@ -89,8 +89,10 @@ def kv_bytes_per_token_formula(hf_config: dict, dtype: str, kv_cache_dtype: str 
     return kv_bytes_per_token(parse_model_config(hf_config), dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
 
 
-def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]], args) -> dict:
-    """One CP group (C ranks, `threads` each) prefilling every length on both paths, shortest first."""
+def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]], args, repeats: int,
+               paths: tuple[str, ...] = tuple(PATHS)) -> dict:
+    """One CP group (C ranks, `threads` each) prefilling every length on each of `paths`, shortest first.
+    `args` gives dtype, device, kv_cache_dtype and enable_deterministic_inference (`bench prefill`'s flags)."""
     import ray
 
     from cluster.bench.prefill_runs import served_and_one_batch
@@ -105,9 +107,9 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
                          threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype,
                          deterministic=options.deterministic)
     try:
-        paths = served_and_one_batch(model_dir, cp, group.workers, options, prompts, args.repeats)
+        timed = served_and_one_batch(model_dir, cp, group.workers, options, prompts, repeats, paths)
         kv_per_token = ray.get(group.workers[0].kv_bytes_per_token.remote())
-        return {"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": paths, "kv_bytes_per_token": kv_per_token,
+        return {"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": timed, "kv_bytes_per_token": kv_per_token,
                 "prefill_chunk_tokens": options.prefill_token_budget}
     finally:
         group.shutdown()
@@ -144,8 +146,12 @@ def path_entry(cp_size: int, single: dict, equal: dict | None, ranks: dict) -> d
     }
 
 
-def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | None]) -> dict:
-    """One prompt length: the served path's numbers at the top, the unchunked batch under `one_batch`."""
+def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | None], gemm: dict) -> dict:
+    """One prompt length: the served path's numbers at the top (with the C ranks' FLOP efficiency against the
+    `gemm` rates), the unchunked batch under `one_batch`."""
+    from cluster.bench.flops import flop_efficiency
+    from model_workers.model.config import parse_model_config
+
     single, equal, ranks = configs
 
     def runs(path: str) -> tuple:
@@ -156,10 +162,13 @@ def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | No
     entry["formula_kv_bytes_per_rank"] = formula_kv_bytes(hf_config, cp.cp_size, length, args.dtype,
                                                           args.kv_cache_dtype)
     entry["one_batch"] = path_entry(cp.cp_size, *runs("one_batch"))
+    entry["prefill_flop_efficiency"] = flop_efficiency(parse_model_config(hf_config), length, runs("served")[2], gemm)
     return entry
 
 
 def run_prefill(args: argparse.Namespace) -> int:
+    from cluster.bench.flops import DEFINITIONS as FLOP_DEFINITIONS
+    from cluster.bench.flops import gemm_rates
     from cluster.config import ResolvedCPConfig, resolve_cp_settings
     from cluster.launch import engine_cpus, ray_session
     from model_workers.checkpoint.model_dir import resolve_model_dir
@@ -177,9 +186,11 @@ def run_prefill(args: argparse.Namespace) -> int:
     prompts = {n: torch.randint(0, hf_config["vocab_size"], (n,), generator=generator).tolist() for n in lengths}
     single_cp = ResolvedCPConfig(enabled=False, cp_size=1, strategy=cp.strategy, impl=cp.impl)
     with ray_session(engine_cpus(cp.cp_size), args.ray_address):
-        single = run_config(model_dir, single_cp, 1, prompts, args)
-        equal = None if args.skip_equal_cores or cp.cp_size == 1 else run_config(model_dir, single_cp, cp.cp_size, prompts, args)
-        ranks = run_config(model_dir, cp, 1, prompts, args)
+        single = run_config(model_dir, single_cp, 1, prompts, args, args.repeats)
+        equal = None if args.skip_equal_cores or cp.cp_size == 1 else run_config(model_dir, single_cp, cp.cp_size,
+                                                                                  prompts, args, args.repeats)
+        ranks = run_config(model_dir, cp, 1, prompts, args, args.repeats)
+    gemm = gemm_rates(cp.cp_size, 1)  # with Ray down: nothing else of this command runs
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
         "model": str(model_dir), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
@@ -192,7 +203,8 @@ def run_prefill(args: argparse.Namespace) -> int:
         "measured_kv_bytes_per_token": ranks["kv_bytes_per_token"],
         "formula_kv_bytes_per_token": kv_bytes_per_token_formula(hf_config, args.dtype, args.kv_cache_dtype),
         **kv_capacity(hf_config),
-        "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks]) for n in lengths],
+        "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks], gemm) for n in lengths],
+        "definitions": {"prefill_flop_efficiency": FLOP_DEFINITIONS},
     }
     emit(result, args)
     return 0
@@ -229,4 +241,13 @@ def emit(result: dict, args: argparse.Namespace) -> None:
               f" chunk(s), strong-scaling efficiency {e['strong_scaling_efficiency']:.3f} (one batch: C=1"
               f" {one['c1_wall_s']:.2f}s, C={e['cp_size']} {one['cp_wall_s']:.2f}s, {one['strong_scaling_efficiency']:.3f}),"
               f" KV bytes/rank {e['measured_kv_bytes_per_rank']} (formula {e['formula_kv_bytes_per_rank']:.0f}),"
-              f" peak RSS/rank {max(e['peak_rss_bytes_per_rank']) / 2**30:.2f} GiB")
+              f" peak RSS/rank {max(e['peak_rss_bytes_per_rank']) / 2**30:.2f} GiB"
+              f"{efficiency_text(e['prefill_flop_efficiency'])}")
+
+
+def efficiency_text(block: dict) -> str:
+    """`, FLOP efficiency x (indexer a, attention b, mlp c)`, or nothing when the count was skipped."""
+    if block.get("skipped"):
+        return ""
+    phases = ", ".join(f"{p} {v:.3f}" for p, v in block["phase_efficiency"].items() if v is not None)
+    return f", FLOP efficiency {block['efficiency']:.3f} ({phases})"

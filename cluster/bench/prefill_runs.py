@@ -72,13 +72,14 @@ def time_prefills(engine, prompt: list[int], repeats: int, tag: str) -> dict:
 
 
 def served_and_one_batch(model_dir, cp, workers, options: EngineOptions, prompts: dict[int, list[int]],
-                         repeats: int) -> dict[str, dict[int, dict]]:
-    """Per path ("served": chunks of options.prefill_token_budget; "one_batch": the whole prompt in one step),
-    per length: `time_prefills`, after an untimed warm-up of each path."""
+                         repeats: int, paths: tuple[str, ...] = ("served", "one_batch")) -> dict[str, dict[int, dict]]:
+    """Per path of `paths` ("served": chunks of options.prefill_token_budget; "one_batch": the whole prompt in one
+    step), per length: `time_prefills`, after an untimed warm-up of each path."""
     longest = max(prompts)
     budgets = {"served": options.prefill_token_budget, "one_batch": max(longest, options.prefill_token_budget)}
     out = {}
-    for path, budget in budgets.items():
+    for path in paths:
+        budget = budgets[path]
         engine = engine_over_workers(model_dir, cp, replace(options, prefill_token_budget=budget), workers)
         time_prefills(engine, next(iter(prompts.values()))[:256], 1, f"{path}-warm")
         out[path] = {n: time_prefills(engine, prompt, repeats, f"{path}-{n}") for n, prompt in prompts.items()}

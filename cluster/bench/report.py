@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from cluster.bench.plot import PLOTTERS, decode_series, prefill_points, save_plot
+from cluster.bench.serve_long_report import efficiency_table, long_table
 from cluster.bench.targets import evaluate
 
 NO_COMMAND = "(the JSON records no command; re-run the bench with --json and a version that records it)"
@@ -113,6 +114,10 @@ def prefill_detail(result: dict) -> list[str]:
             rows.append([e["prompt_len"], f"rank {rank}", *[split.get(k) for k in phases]])
     lines += ["", "Time split per phase (seconds; indexer = indexer projections + scoring + top-k):", ""]
     lines += markdown_table(["L", "run", *phases], rows)
+    blocks = [b for b in (e.get("prefill_flop_efficiency") for e in entries) if b and not b.get("skipped")]
+    if blocks:
+        lines += ["", "FLOP efficiency of the C ranks' served prefill (definitions in the JSON):", ""]
+        lines += efficiency_table(blocks)
     if result.get("measured_kv_bytes_per_token") is not None:
         lines += ["", f"KV cache bytes per token: measured {result['measured_kv_bytes_per_token']}, formula "
                       f"{result.get('formula_kv_bytes_per_token')} = {result.get('kv_token_formula')}."]
@@ -146,6 +151,9 @@ def decode_table(result: dict) -> list[str]:
 
 
 def serve_table(result: dict) -> list[str]:
+    if result.get("workload") == "long":
+        return long_table(result)
+
     def p50(run: dict | None, key: str):
         return ((run or {}).get(key) or {}).get("p50")
 

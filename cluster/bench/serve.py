@@ -5,10 +5,12 @@ exactly --max-tokens tokens) to `POST /v1/completions` of --url, or of a server 
 `dsa-serve serve` does, on a local Ray it starts and stops. The same requests run (first) at the same
 concurrency on a `DSAEngine` in this process, over rank workers started like the server's (Ray actors, the
 same EngineOptions), so HTTP / in-process is the serving overhead (Serve + HTTP + SSE). Last, the same prompts
-run through `transformers` `generate` in batches of C (cluster/bench_transformers.py). Timing definitions:
-cluster/bench_load.py. With --url, --model/--cp-*/--speculative-num-steps/--dtype/--device must describe that
-server (the in-process engine and the baseline are built from them); the model name is checked.
+run through `transformers` `generate` in batches of C (transformers_baseline.py). Timing definitions: load.py.
+With --url, --model/--cp-*/--speculative-num-steps/--dtype/--device must describe that server (the in-process
+engine and the baseline are built from them); the model name is checked.
 With --json the JSON object is the last line of stdout (Ray may print lines of its own before it).
+`--workload long` (held-out prompts of 4k-16k tokens, transformers one request at a time, the prefill's FLOP
+efficiency) is cluster/bench/serve_long.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import PROMPTS, spelled_command
+from cluster.bench.serve_long import add_long_arguments, resolve_workload
 from cluster.bench.serve_report import (  # plot: bench_plot "serve"
     DEFINITIONS,
     assemble_run,
@@ -45,14 +48,18 @@ def add_parser(kinds) -> None:
     bench = kinds.add_parser("serve", help="HTTP server under load: TTFT, ITL, tokens/s vs in-process and transformers")
     bench.add_argument("--url", default=None, help="a running server (default: start one here, stop it at the end)")
     add_server_arguments(bench, dtype_default="bfloat16")
-    bench.add_argument("--concurrency", default="1,8,32,64", help="comma list of closed-loop client counts")
-    bench.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x C))")
+    add_long_arguments(bench)
+    bench.add_argument("--concurrency", default=None, help="comma list of closed-loop client counts (default "
+                                                           "1,8,32,64; --workload long: 1,4)")
+    bench.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x C);"
+                                                                     " --workload long: the largest C)")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (exactly)")
     bench.add_argument("--prompt-len", type=int, default=0, help="random prompts of this many tokens "
                                                                  "(default 0: short Python code prompts)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed requests before each measured path")
     bench.add_argument("--api-key", default=None, help=f"Bearer key for --url (default: env {API_KEY_ENV})")
-    bench.add_argument("--skip-in-process", action="store_true", help="no in-process engine (no overhead ratios)")
+    bench.add_argument("--skip-in-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="no in-process engine (no overhead ratios; default for --workload long)")
     bench.add_argument("--skip-transformers", action="store_true", help="no transformers generate baseline")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the results into this image")
@@ -60,7 +67,9 @@ def add_parser(kinds) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> list[int]:
-    """The concurrency levels; ValueError naming the flag for anything out of range."""
+    """The concurrency levels (the workload's defaults filled in); ValueError naming the flag for anything out of
+    range."""
+    resolve_workload(args)
     levels = list(dict.fromkeys(int_list(args.concurrency, "--concurrency", 1, 256)))
     for flag, value, low in [("--max-tokens", args.max_tokens, 1), ("--prompt-len", args.prompt_len, 0),
                              ("--warmup", args.warmup, 0), ("--cp-size", args.cp_size, 1),
@@ -137,25 +146,39 @@ def served_models(url: str, headers: dict) -> list[str]:
         time.sleep(1)
 
 
-async def http_levels(url: str, headers: dict, prompts: list, plan: dict[int, int], args) -> dict[int, dict]:
+async def run_groups(send, groups: dict, warmup: int) -> dict:
+    """`warmup` untimed requests of the first group's prompts, then every group's closed loops in order.
+
+    `groups` maps a key (None for the short workload, the prompt length for the long one) to (prompts, plan:
+    {concurrency: requests}); `send(prompts, i)` sends request i. Returns {key: {concurrency: summary}}."""
+    from cluster.bench.load import closed_loop, summarize
+
+    first = next(iter(groups.values()))[0]
+    for i in range(warmup):
+        await send(first, i)
+    out = {}
+    for key, (prompts, plan) in groups.items():
+        out[key] = {c: summarize(*await closed_loop(lambda i, p=prompts: send(p, i), n, c)) for c, n in plan.items()}
+    return out
+
+
+async def http_levels(url: str, headers: dict, groups: dict, args) -> dict:
     import httpx
 
-    from cluster.bench.load import closed_loop, completion_body, http_request, summarize
+    from cluster.bench.load import completion_body, http_request
 
-    most = max(plan)
+    most = max(c for _, plan in groups.values() for c in plan)
     limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits, headers=headers,
                                  trust_env=False) as client:
-        def send(i: int):
+        def send(prompts: list, i: int):
             return http_request(client, url, completion_body(prompts[i % len(prompts)][0], args.max_tokens))
 
-        for i in range(args.warmup):
-            await send(i)
-        return {c: summarize(*await closed_loop(send, n, c)) for c, n in plan.items()}
+        return await run_groups(send, groups, args.warmup)
 
 
-def in_process_levels(model_dir: Path, cp, settings, prompts: list, plan: dict[int, int], args) -> dict[int, dict]:
-    from cluster.bench.load import closed_loop, engine_request, summarize
+def in_process_levels(model_dir: Path, cp, settings, groups: dict, args) -> dict:
+    from cluster.bench.load import engine_request
     from cluster.engine_setup import start_engine
     from cluster.serve_app import engine_options
     from cp_router.protocol import EngineRequest
@@ -163,47 +186,55 @@ def in_process_levels(model_dir: Path, cp, settings, prompts: list, plan: dict[i
     engine, group = start_engine(model_dir, cp, engine_options(settings, model_dir))
     ids = iter(range(1 << 62))
 
-    def send(i: int):
+    def send(prompts: list, i: int):
         request = EngineRequest(f"bench-{next(ids)}", tuple(prompts[i % len(prompts)][1]), args.max_tokens,
                                 temperature=0.0, min_tokens=args.max_tokens)
         return engine_request(engine, request)
 
-    async def levels():
-        for i in range(args.warmup):
-            await send(i)
-        return {c: summarize(*await closed_loop(send, n, c)) for c, n in plan.items()}
-
     try:
-        return asyncio.run(levels())
+        return asyncio.run(run_groups(send, groups, args.warmup))
     finally:
         group.shutdown()
 
 
-def measure_served(args, model_dir: Path, cp, settings, prompts: list,
-                   plan: dict[int, int]) -> tuple[dict, dict | None]:
-    """In-process results per level (None when skipped), then HTTP ones (server started here unless --url)."""
+def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None) -> tuple[dict, dict | None, object]:
+    """In-process results per group and level (None when skipped), then HTTP ones (server started here unless
+    --url), then `after()` (if given) on the same Ray once the server this command started is stopped."""
     from cluster.launch import engine_cpus, start_ray
 
     key = args.api_key or os.environ.get(API_KEY_ENV)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    needs_ray = args.url is None or not args.skip_in_process
+    needs_ray = args.url is None or not args.skip_in_process or after is not None
     started_ray = needs_ray and start_ray(1 + engine_cpus(cp.cp_size), args.ray_address)
     if args.url is None and not started_ray:
         raise ValueError("--url is required on a Ray cluster this command joins (--ray-address, $RAY_ADDRESS): "
                          "it starts its own server only on a Ray it starts")
     try:
-        in_process = None if args.skip_in_process else in_process_levels(model_dir, cp, settings, prompts, plan, args)
+        in_process = None if args.skip_in_process else in_process_levels(model_dir, cp, settings, groups, args)
         url = args.url.rstrip("/") if args.url else start_server(settings)
         models = served_models(url, headers)
         if model_dir.name not in models:
             raise ValueError(f"--url serves {models}, not {model_dir.name!r}: pass the --model that server runs")
-        http = asyncio.run(http_levels(url, headers, prompts, plan, args))
+        http = asyncio.run(http_levels(url, headers, groups, args))
+        if after is None:
+            return http, in_process, None
+        if args.url is None:
+            from ray import serve
+
+            serve.shutdown()
+        return http, in_process, after()
     finally:
         if started_ray:
             import ray
 
             ray.shutdown()
-    return http, in_process
+
+
+def server_info(args, cp) -> dict:
+    """The `server` block of a result: where it ran and with which CP / speculation / placement settings."""
+    return {"url": args.url, "started_here": args.url is None, "cp_size": cp.cp_size, "cp_strategy": cp.strategy,
+            "cp_impl": cp.impl, "speculative_num_steps": args.speculative_num_steps,
+            "engine_placement": args.engine_placement}
 
 
 def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], http: dict, in_process: dict | None,
@@ -211,10 +242,7 @@ def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], ht
     return {
         "bench": "serve", "command": spelled_command("serve", args, SERVE_FLAGS), "model": str(model_dir),
         "dtype": args.dtype, "device": args.device, "max_tokens": args.max_tokens,
-        "prompt_tokens": [len(ids) for _, ids in prompts], "machine": machine(),
-        "server": {"url": args.url, "started_here": args.url is None, "cp_size": cp.cp_size, "cp_strategy": cp.strategy,
-                   "cp_impl": cp.impl, "speculative_num_steps": args.speculative_num_steps,
-                   "engine_placement": args.engine_placement},
+        "prompt_tokens": [len(ids) for _, ids in prompts], "machine": machine(), "server": server_info(args, cp),
         "definitions": DEFINITIONS,
         "in_process": {"skipped": True, "reason": "--skip-in-process"} if in_process is None else {"skipped": False},
         "transformers": {k: v for k, v in baseline.items() if k != "levels"},
@@ -230,12 +258,17 @@ def run(args: argparse.Namespace) -> int:
     from model_workers.checkpoint.model_dir import resolve_model_dir
 
     levels = check_arguments(args)
+    if args.workload == "long":
+        from cluster.bench.serve_long import run_long
+
+        return run_long(args, levels)
     settings = app_args(args)
     model_dir = resolve_model_dir(settings.model)
     cp = resolve_cp_settings(settings, model_dir)
     prompts = build_prompts(model_dir, args.prompt_len)
     plan = {c: args.num_prompts or max(16, 2 * c) for c in levels}
-    http, in_process = measure_served(args, model_dir, cp, settings, prompts, plan)
+    http, in_process, _ = measure_served(args, model_dir, cp, settings, {None: (prompts, plan)})
+    http, in_process = http[None], in_process and in_process[None]
     baseline = {"skipped": True, "reason": "--skip-transformers"}
     if not args.skip_transformers:
         level_prompts = {c: [prompts[i % len(prompts)][1] for i in range(n)] for c, n in plan.items()}

@@ -73,11 +73,16 @@ def engine_overhead(results: dict[str, list[dict]]) -> Outcome:
     return combine(outcomes)
 
 
+def serve_results(results: dict[str, list[dict]], workload: str) -> list[dict]:
+    """The `bench serve` results of one workload ("short": those without a workload key too)."""
+    return [r for r in results.get("serve", []) if r.get("workload", "short") == workload]
+
+
 def serve_ratio(key: str, limit: float) -> Callable[[dict[str, list[dict]]], Outcome]:
-    """HTTP / in-process ratio `key` of every serve run (each concurrency level) must be <= limit."""
+    """HTTP / in-process ratio `key` of every short-workload serve run (each concurrency level) must be <= limit."""
 
     def check(results: dict[str, list[dict]]) -> Outcome:
-        runs = [run for r in results.get("serve", []) for run in r.get("runs", []) if run.get(key) is not None]
+        runs = [run for r in serve_results(results, "short") for run in r.get("runs", []) if run.get(key) is not None]
         return combine([(f"C={run.get('concurrency')}: {run[key]:.3f}", run[key] <= limit) for run in runs])
 
     return check
@@ -85,7 +90,7 @@ def serve_ratio(key: str, limit: float) -> Callable[[dict[str, list[dict]]], Out
 
 def transformers_throughput(results: dict[str, list[dict]]) -> Outcome:
     outcomes = []
-    for result in results.get("serve", []):
+    for result in serve_results(results, "short"):
         for run in result.get("runs", []):
             ratio = first_key(run, "throughput_vs_transformers", "throughput_over_transformers")
             if run.get("concurrency") == 32 and ratio is not None:
@@ -122,6 +127,33 @@ def kv_bytes(results: dict[str, list[dict]]) -> Outcome:
     return combine(outcomes)
 
 
+def long_ratio(key: str, prompt_len: int, concurrency: int, passes: Callable[[float], bool]
+               ) -> Callable[[dict[str, list[dict]]], Outcome]:
+    """Ratio `key` (ours / transformers) of the long workload's run at (prompt_len, concurrency)."""
+
+    def check(results: dict[str, list[dict]]) -> Outcome:
+        outcomes = []
+        for result in serve_results(results, "long"):
+            for run in result.get("runs", []):
+                at = (run.get("prompt_len"), run.get("concurrency")) == (prompt_len, concurrency)
+                if at and run.get(key) is not None:
+                    outcomes.append((f"{run[key]:.3g}x (L={prompt_len}, C={concurrency})", passes(run[key])))
+        return combine(outcomes)
+
+    return check
+
+
+def prefill_flop_efficiency(results: dict[str, list[dict]]) -> Outcome:
+    """The long workload's measured prefill (8k tokens at C = 2 by default): model FLOPs / (wall x GEMM rate)."""
+    outcomes = []
+    for result in serve_results(results, "long"):
+        block = result.get("prefill_flop_efficiency") or {}
+        if not block.get("skipped", True):
+            text = f"{block['efficiency']:.3f} (L={block['prompt_len']}, C={block['cp_size']})"
+            outcomes.append((text, block["efficiency"] >= 0.5))
+    return combine(outcomes)
+
+
 def combine(outcomes: list[tuple[str, bool]]) -> Outcome:
     """Several results measuring one target: every one must pass."""
     if not outcomes:
@@ -142,6 +174,13 @@ TARGETS = (
     Target("per-step engine overhead <= 15% at batch 8", "decode", engine_overhead),
     Target("peak RSS per rank for a 32k prefill <= 4 GiB", "prefill", peak_rss),
     Target("KV bytes = formula (within 1%)", "prefill", kv_bytes),
+    Target("long context: throughput at 8k, concurrency 4 >= 12x transformers", "serve",
+           long_ratio("throughput_ratio_vs_transformers", 8192, 4, lambda x: x >= 12)),
+    Target("long context: TTFT p50 at 8k, concurrency 4 <= 0.06x transformers", "serve",
+           long_ratio("ttft_ratio_vs_transformers", 8192, 4, lambda x: x <= 0.06)),
+    Target("long context: throughput at 16k, concurrency 4 >= 20x transformers", "serve",
+           long_ratio("throughput_ratio_vs_transformers", 16384, 4, lambda x: x >= 20)),
+    Target("prefill FLOP efficiency >= 0.5 (bench serve --workload long's prefill)", "serve", prefill_flop_efficiency),
 )
 
 
