@@ -98,7 +98,7 @@ def test_report_with_no_results_says_not_measured(tmp_path):
     empty.mkdir()
     text = write_report(empty, tmp_path)
     assert "No bench results found" in text
-    assert text.count("| not measured | not measured |") == 9
+    assert text.count("| not measured | not measured |") == 13
 
 
 def test_report_without_matplotlib_still_writes_tables(results_dir, tmp_path, monkeypatch):
