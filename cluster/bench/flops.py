@@ -10,6 +10,7 @@ divides them by what the ranks' threads could do at the rate of a large fp32 mat
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -97,6 +98,23 @@ def prefill_flops(config: ModelConfig, length: int, logit_rows: int = 1, mtp_spa
             "total": sum(parts.values())}
 
 
+def checkpoint_flop_config(model_dir) -> tuple[object, bool | None]:
+    """(the config as the loader builds the model: num_nextn_predict_layers = the MTP layers the checkpoint
+    holds, whether MTP layer 0 has an MoE (None: no MTP layer)); other config types are returned as they are."""
+    import dataclasses
+
+    from model_workers.checkpoint.loader import checkpoint_files, count_mtp_layers, mtp_layout
+    from model_workers.model.config import load_model_config
+
+    config = load_model_config(model_dir)
+    if not isinstance(config, ModelConfig):
+        return config, None
+    names = set(checkpoint_files(Path(model_dir)))
+    count = count_mtp_layers(config, names)
+    layout = mtp_layout(config, names, count)
+    return dataclasses.replace(config, num_nextn_predict_layers=count), layout[0][0] if layout else None
+
+
 def gemm_flops_per_s(threads: int, size: int = GEMM_SIZE, repeats: int = GEMM_REPEATS) -> float:
     """fp32 matmul rate of this process with `threads` torch threads (best of `repeats`, after a warm-up);
     the thread count is restored after."""
@@ -124,13 +142,14 @@ def gemm_rates(cp_size: int, threads_per_rank: int) -> dict:
             "all_threads": total, "all": rank if total == threads_per_rank else gemm_flops_per_s(total)}
 
 
-def flop_efficiency(config, length: int, run: dict, gemm: dict) -> dict:
+def flop_efficiency(config, length: int, run: dict, gemm: dict, mtp_sparse: bool | None = None) -> dict:
     """The `prefill_flop_efficiency` block of one prefill `run` (a prefill_runs summary: wall_s, chunks,
-    per_rank_phase_s) of `length` tokens, against `gemm_rates`; skipped for configs it cannot count."""
+    per_rank_phase_s) of `length` tokens, against `gemm_rates`; skipped for configs it cannot count.
+    `config` and `mtp_sparse` as `checkpoint_flop_config` gives them."""
     if not isinstance(config, ModelConfig):
         return {"skipped": True, "reason": f"the FLOP count covers MLA + indexer models (deepseek_v32, glm_moe_dsa),"
                                            f" not {getattr(config, 'model_type', type(config).__name__)}"}
-    flops = prefill_flops(config, length, logit_rows=run["chunks"])
+    flops = prefill_flops(config, length, logit_rows=run["chunks"], mtp_sparse=mtp_sparse)
     phase_s = {p: sum(split.get(p, 0.0) for split in run["per_rank_phase_s"]) for p in PHASES}
     return {
         "skipped": False, "prompt_len": length, "cp_size": len(run["per_rank_phase_s"]),

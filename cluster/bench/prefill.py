@@ -146,11 +146,10 @@ def path_entry(cp_size: int, single: dict, equal: dict | None, ranks: dict) -> d
     }
 
 
-def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | None], gemm: dict) -> dict:
-    """One prompt length: the served path's numbers at the top (with the C ranks' FLOP efficiency against the
-    `gemm` rates), the unchunked batch under `one_batch`."""
+def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | None], flop_setup: tuple) -> dict:
+    """One prompt length: the served path's numbers at the top (with the C ranks' FLOP efficiency, `flop_setup`
+    = (checkpoint_flop_config, gemm_rates)), the unchunked batch under `one_batch`."""
     from cluster.bench.flops import flop_efficiency
-    from model_workers.model.config import parse_model_config
 
     single, equal, ranks = configs
 
@@ -162,13 +161,14 @@ def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | No
     entry["formula_kv_bytes_per_rank"] = formula_kv_bytes(hf_config, cp.cp_size, length, args.dtype,
                                                           args.kv_cache_dtype)
     entry["one_batch"] = path_entry(cp.cp_size, *runs("one_batch"))
-    entry["prefill_flop_efficiency"] = flop_efficiency(parse_model_config(hf_config), length, runs("served")[2], gemm)
+    (config, mtp_sparse), gemm = flop_setup
+    entry["prefill_flop_efficiency"] = flop_efficiency(config, length, runs("served")[2], gemm, mtp_sparse)
     return entry
 
 
 def run_prefill(args: argparse.Namespace) -> int:
     from cluster.bench.flops import DEFINITIONS as FLOP_DEFINITIONS
-    from cluster.bench.flops import gemm_rates
+    from cluster.bench.flops import checkpoint_flop_config, gemm_rates
     from cluster.config import ResolvedCPConfig, resolve_cp_settings
     from cluster.launch import engine_cpus, ray_session
     from model_workers.checkpoint.model_dir import resolve_model_dir
@@ -190,7 +190,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         equal = None if args.skip_equal_cores or cp.cp_size == 1 else run_config(model_dir, single_cp, cp.cp_size,
                                                                                   prompts, args, args.repeats)
         ranks = run_config(model_dir, cp, 1, prompts, args, args.repeats)
-    gemm = gemm_rates(cp.cp_size, 1)  # with Ray down: nothing else of this command runs
+    flop_setup = checkpoint_flop_config(model_dir), gemm_rates(cp.cp_size, 1)  # Ray is down: nothing else runs
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
         "model": str(model_dir), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
@@ -203,7 +203,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         "measured_kv_bytes_per_token": ranks["kv_bytes_per_token"],
         "formula_kv_bytes_per_token": kv_bytes_per_token_formula(hf_config, args.dtype, args.kv_cache_dtype),
         **kv_capacity(hf_config),
-        "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks], gemm) for n in lengths],
+        "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks], flop_setup) for n in lengths],
         "definitions": {"prefill_flop_efficiency": FLOP_DEFINITIONS},
     }
     emit(result, args)

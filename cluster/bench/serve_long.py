@@ -182,7 +182,7 @@ def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels
 
 def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     """The long workload, start to end (after `check_arguments`); prints the result."""
-    from cluster.bench.flops import flop_efficiency, gemm_rates
+    from cluster.bench.flops import checkpoint_flop_config, flop_efficiency, gemm_rates
     from cluster.bench.serve import measure_served, server_info
     from cluster.bench.serve_long_report import plot_long, summary_text_long
     from cluster.bench.transformers_long import run_long_baseline
@@ -207,7 +207,9 @@ def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     http, in_process, prefill = measure_served(args, model_dir, cp, settings, groups, after)
     efficiency = {"skipped": True, "reason": "--efficiency-prefill-len 0"}
     if prefill is not None:
-        efficiency = flop_efficiency(config, args.efficiency_prefill_len, prefill, gemm_rates(cp.cp_size, 1))
+        flop_config, mtp_sparse = checkpoint_flop_config(model_dir)
+        efficiency = flop_efficiency(flop_config, args.efficiency_prefill_len, prefill, gemm_rates(cp.cp_size, 1),
+                                     mtp_sparse)
     baseline = {"skipped": True, "reason": "--skip-transformers"}
     if not args.skip_transformers:
         dtype = resolve_dtype_name(args.dtype, model_dir, args.device)

@@ -8,7 +8,14 @@ import json
 import pytest
 import torch
 
-from cluster.bench.flops import causal_pairs, flop_efficiency, gemm_flops_per_s, prefill_flops, sparse_keys
+from cluster.bench.flops import (
+    causal_pairs,
+    checkpoint_flop_config,
+    flop_efficiency,
+    gemm_flops_per_s,
+    prefill_flops,
+    sparse_keys,
+)
 from cluster.cli import main
 from model_workers.model.config import parse_model_config
 
@@ -44,6 +51,20 @@ def test_shared_indexer_layers_and_no_mtp_count_only_what_runs():
     assert parts["indexer_scoring"] == 1 * 15 * 2 * 4 * 2 and parts["indexer_linears"] == 5 * 2 * 96
     assert parts["attention_linears"] == 5 * 2 * 2 * 252 and parts["mtp_eh_proj"] == 0
     assert parts["lm_head"] == 2 * 8 * 10
+
+
+def test_the_mtp_layer_is_counted_when_the_checkpoint_holds_one(tmp_path):
+    from safetensors.torch import save_file
+
+    from model_workers.checkpoint.model_dir import resolve_model_dir
+
+    config, mtp_sparse = checkpoint_flop_config(resolve_model_dir(None))  # the shipped model: one MoE MTP layer
+    assert config.num_nextn_predict_layers == 1 and mtp_sparse is True
+    (tmp_path / "config.json").write_text(json.dumps(TINY))  # declares an MTP layer the weights do not have
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 8)}, str(tmp_path / "model.safetensors"))
+    config, mtp_sparse = checkpoint_flop_config(tmp_path)
+    assert config.num_nextn_predict_layers == 0 and mtp_sparse is None
+    assert prefill_flops(config, 5)["layers"] == 2
 
 
 def test_causal_pairs_and_sparse_keys():

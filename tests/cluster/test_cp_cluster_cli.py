@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
+from cluster.bench.flops import prefill_flops
 from cluster.cli import main
+from model_workers.model.config import parse_model_config
 
 PROMPT = [5, 17, 99, 3, 64, 23, 8, 41, 77, 12, 90]  # 11 tokens: odd, not divisible by 2C
 
@@ -77,6 +79,12 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
             assert phases["indexer"] > 0 and phases["mlp"] > 0 and phases["communication"] > 0
         assert entry["c1_phase_s"]["communication"] == 0
         assert all(rss > 100 * 2**20 for rss in entry["peak_rss_bytes_per_rank"])  # a real process's RSS
+        flops = entry["prefill_flop_efficiency"]  # the C ranks' served prefill against the fp32 GEMM rate
+        counted = prefill_flops(parse_model_config(config), entry["prompt_len"], logit_rows=entry["chunks"])
+        assert (flops["prompt_len"], flops["cp_size"], flops["chunks"]) == (entry["prompt_len"], 2, entry["chunks"])
+        assert flops["model_flops"] == counted and counted["layers"] == 4  # 3 target layers + the MTP layer
+        assert flops["efficiency"] > 0 and all(v > 0 for v in flops["phase_efficiency"].values())
+    assert "efficiency" in bench["definitions"]["prefill_flop_efficiency"]
 
 
 @pytest.mark.parametrize(
