@@ -6,9 +6,9 @@ library sources (common.py `held_out_stream`: distinct, non-overlapping, determi
 each --concurrency level, the server this command starts (`serve`'s app and settings; its KV cache sized for
 the largest concurrency at the longest length unless --num-kv-pages / --kv-cache-memory-gib say otherwise)
 runs the closed loop of load.py. The in-process engine is skipped by default (--no-skip-in-process runs it).
-Then, once the server is stopped, one --efficiency-prefill-len prefill runs on C ranks of one thread through
-`bench prefill`'s machinery (prefill_runs.py) and is set against the fp32 GEMM rate (flops.py). Last comes the
-`transformers` side (transformers_long.py).
+Then, once the server is stopped (a --url server stays up), one --efficiency-prefill-len prefill runs on C ranks
+of one thread through `bench prefill`'s machinery (prefill_runs.py) and is set against the fp32 GEMM rate
+(flops.py). Last comes the `transformers` side (transformers_long.py).
 """
 
 from __future__ import annotations
@@ -123,12 +123,29 @@ def long_prompts(model_dir: Path, lengths: list[int], num_prompts: int, efficien
 
 
 def efficiency_prefill(model_dir: Path, cp, args: argparse.Namespace, prompt: list[int]) -> dict:
-    """One served-path prefill of `prompt` on cp_size ranks of one thread (`bench prefill`'s run_config)."""
+    """One served-path prefill of `prompt` on cp_size ranks of one thread (`bench prefill`'s run_config); a
+    failure is returned as {"failed": ...} (the serving results measured before it are kept)."""
     from cluster.bench.prefill import run_config
     from model_workers.precision import resolve_dtype_name
 
     settings = argparse.Namespace(**{**vars(args), "dtype": resolve_dtype_name(args.dtype, model_dir, args.device)})
-    return run_config(model_dir, cp, 1, {len(prompt): prompt}, settings, 1, ("served",))["paths"]["served"][len(prompt)]
+    try:
+        timed = run_config(model_dir, cp, 1, {len(prompt): prompt}, settings, 1, ("served",))
+    except Exception as exc:  # noqa: BLE001 - reported in the result's prefill_flop_efficiency
+        return {"failed": repr(exc)}
+    return timed["paths"]["served"][len(prompt)]
+
+
+def efficiency_block(model_dir: Path, cp, length: int, prefill: dict | None) -> dict:
+    """`prefill_flop_efficiency` of the measured prefill, against the GEMM rates measured now (flops.py)."""
+    from cluster.bench.flops import checkpoint_flop_config, flop_efficiency, gemm_rates
+
+    if prefill is None:
+        return {"skipped": True, "reason": "--efficiency-prefill-len 0"}
+    if "failed" in prefill:
+        return {"skipped": True, "reason": f"the prefill failed: {prefill['failed']}"}
+    config, mtp_sparse = checkpoint_flop_config(model_dir)
+    return flop_efficiency(config, length, prefill, gemm_rates(cp.cp_size, 1), mtp_sparse)
 
 
 def long_runs(lengths: list[int], levels: list[int], http: dict, in_process: dict | None, baseline: dict) -> list:
@@ -182,7 +199,6 @@ def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels
 
 def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     """The long workload, start to end (after `check_arguments`); prints the result."""
-    from cluster.bench.flops import checkpoint_flop_config, flop_efficiency, gemm_rates
     from cluster.bench.serve import measure_served, server_info
     from cluster.bench.serve_long_report import plot_long, summary_text_long
     from cluster.bench.transformers_long import run_long_baseline
@@ -205,11 +221,7 @@ def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     after = None if prompts["efficiency"] is None else (
         lambda: efficiency_prefill(model_dir, cp, args, prompts["efficiency"]))
     http, in_process, prefill = measure_served(args, model_dir, cp, settings, groups, after)
-    efficiency = {"skipped": True, "reason": "--efficiency-prefill-len 0"}
-    if prefill is not None:
-        flop_config, mtp_sparse = checkpoint_flop_config(model_dir)
-        efficiency = flop_efficiency(flop_config, args.efficiency_prefill_len, prefill, gemm_rates(cp.cp_size, 1),
-                                     mtp_sparse)
+    efficiency = efficiency_block(model_dir, cp, args.efficiency_prefill_len, prefill)
     baseline = {"skipped": True, "reason": "--skip-transformers"}
     if not args.skip_transformers:
         dtype = resolve_dtype_name(args.dtype, model_dir, args.device)

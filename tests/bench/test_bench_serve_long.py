@@ -14,7 +14,7 @@ import pytest
 from cluster.bench.common import _EndOfFileAs, cut_windows, window_offsets
 from cluster.bench.load import summarize
 from cluster.bench.serve import check_arguments
-from cluster.bench.serve_long import long_prompts
+from cluster.bench.serve_long import efficiency_block, long_prompts
 from cluster.bench.transformers_long import TokenClock, queued_timings
 from cluster.cli import build_parser
 from cluster.cli import main as cli_main
@@ -97,6 +97,13 @@ def test_a_tokenizer_without_the_corpus_eos_joins_files_with_the_model_eos(tmp_p
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     (tmp_path / "one.py").write_text("a b")
     assert token_stream(_EndOfFileAs(tokenizer, 7), (tmp_path / "one.py",)).tolist() == [0, 1, 7]
+
+
+def test_a_prefill_not_run_or_failed_is_a_skipped_efficiency_with_the_reason():
+    model_dir = resolve_model_dir(None)
+    assert efficiency_block(model_dir, None, 0, None) == {"skipped": True, "reason": "--efficiency-prefill-len 0"}
+    failed = efficiency_block(model_dir, None, 8192, {"failed": "RuntimeError('x')"})
+    assert failed["skipped"] and "the prefill failed: RuntimeError('x')" == failed["reason"]
 
 
 def parsed(*flags: str):
