@@ -32,7 +32,7 @@ bench: install
 	$(DSA) bench decode --ray --speculative-num-steps 0,2 --batch-size 8 --json > $(BENCH_DIR)/decode_ray.json
 	$(DSA) bench serve --engine-placement colocated --json > $(BENCH_DIR)/serve_colocated.json
 	$(DSA) bench serve --engine-placement separate --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_separate.json
-	$(DSA) bench serve --workload long --json > $(BENCH_DIR)/serve_long.json
+	$(DSA) bench serve --workload long --speculative-num-steps 2 --json > $(BENCH_DIR)/serve_long.json
 	$(DSA) bench ep --json > $(BENCH_DIR)/ep.json
 	$(DSA) bench ep-exchange --json > $(BENCH_DIR)/ep_exchange.json
 	$(DSA) bench kv-cache --json > $(BENCH_DIR)/kv_cache.json

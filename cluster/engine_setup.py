@@ -18,6 +18,7 @@ from cp_router.protocol import EngineRequest, ModelInfo
 from cp_router.recovery import GroupRepair
 from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.checkpoint.capacity import cache_bytes_per_token
+from model_workers.checkpoint.draft_vocab import check_token_map_setting
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 from model_workers.kv_format import check_kv_cache_dtype
 from model_workers.model.config import load_model_config
@@ -40,10 +41,12 @@ class EngineOptions:
     max_num_seqs: int = 256  # requests running at once
     max_queued_requests: int = 4096  # waiting requests before new ones get EngineOverloadedError (503)
     deterministic: bool = False  # --enable-deterministic-inference: batch-invariant ranks (batch_invariant.py)
+    speculative_token_map: str = "auto"  # the draft head's vocabulary: auto, none or a file (draft_vocab.py)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
         check_kv_cache_dtype(self.kv_cache_dtype, model_type="")
+        check_token_map_setting(self.speculative_token_map)
         if self.max_steps_per_call < 1:
             raise ValueError(f"max_steps_per_call must be >= 1, got {self.max_steps_per_call}")
 
@@ -120,7 +123,8 @@ def start_engine(model_dir: str | Path, cp: ResolvedCPConfig, options: EngineOpt
     options = check_options_for_model(model_dir, cp, options)  # bad options fail before any actor starts
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                          threads_per_worker=options.threads_per_worker, use_gpu=options.use_gpu,
-                         kv_cache_dtype=options.kv_cache_dtype, deterministic=options.deterministic)
+                         kv_cache_dtype=options.kv_cache_dtype, deterministic=options.deterministic,
+                         speculative_token_map=options.speculative_token_map)
     return engine_over_workers(model_dir, cp, options, group.workers, metrics, repair=RayRankRepair(group.launch)), group
 
 
@@ -129,7 +133,7 @@ def start_local_engine(model_dir: str | Path, options: EngineOptions,
     """A C = 1 engine in this process (no Ray): the CLI without --cp-size, tests, benchmarks."""
     options = check_options_for_model(model_dir, LOCAL_CP, options)
     worker = InProcessWorker(model_dir, options.dtype, options.num_pages, options.page_size, options.kv_cache_dtype,
-                             options.deterministic)
+                             options.deterministic, options.speculative_token_map)
     return engine_over_workers(model_dir, LOCAL_CP, options, [worker], metrics)
 
 

@@ -120,6 +120,7 @@ class RankLaunch:
     ep_size: int = 1
     kv_cache_dtype: str = "auto"
     deterministic: bool = False
+    speculative_token_map: str = "auto"  # the draft head's vocabulary (checkpoint/draft_vocab.py)
 
     def create(self, cp_rank: int):
         """A new (not yet joined, not loaded) worker actor for `cp_rank` in its bundle."""
@@ -131,7 +132,7 @@ class RankLaunch:
     def load(self, worker):
         """The ObjectRef of `worker` loading the checkpoint and a fresh cache."""
         return worker.load.remote(self.model_dir, self.dtype, self.num_pages, self.page_size, self.ep_size,
-                                  self.kv_cache_dtype, self.deterministic)
+                                  self.kv_cache_dtype, self.deterministic, self.speculative_token_map)
 
 
 def start_workers(launch: RankLaunch) -> list:
@@ -162,13 +163,14 @@ def launch_group(
     kv_cache_dtype: str = "auto",
     deterministic: bool = False,
     placement_strategy: str = "PACK",
+    speculative_token_map: str = "auto",
 ) -> CPGroup:
     """Places a group and starts its workers (one per CP rank, see `start_workers`). `placement_strategy`:
     Ray's (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD); SPREAD puts the ranks on different nodes where it can."""
     use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
     group = _place(cp.cp_size, use_gpu, placement_timeout_s, placement_strategy)
     launch = RankLaunch(str(model_dir), cp.cp_size, group, 0, dtype, num_pages, page_size, threads_per_worker,
-                        use_gpu, cp.ep_size, kv_cache_dtype, deterministic)
+                        use_gpu, cp.ep_size, kv_cache_dtype, deterministic, speculative_token_map)
     try:
         workers = start_workers(launch)
     except Exception:

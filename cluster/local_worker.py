@@ -23,10 +23,10 @@ class InProcessWorker:
     """`CPWorker(cp_rank=0, cp_size=1)` whose public methods are called as `.method.remote(...)` and awaited."""
 
     def __init__(self, model_dir: str | Path, dtype: str, num_pages: int, page_size: int, kv_cache_dtype: str = "auto",
-                 deterministic: bool = False):
+                 deterministic: bool = False, speculative_token_map: str = "auto"):
         self.worker = CPWorker(0, 1, num_threads=None)
         self.worker.load(str(model_dir), dtype, num_pages, page_size, kv_cache_dtype=kv_cache_dtype,
-                         deterministic=deterministic)
+                         deterministic=deterministic, speculative_token_map=speculative_token_map)
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("_") or not callable(getattr(CPWorker, name, None)):

@@ -65,7 +65,8 @@ def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
                            args.speculative_num_steps)
     return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                          num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda",
-                         deterministic=args.enable_deterministic_inference, **limits)
+                         deterministic=args.enable_deterministic_inference,
+                         speculative_token_map=args.speculative_token_map, **limits)
 
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
@@ -83,7 +84,7 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
     options = check_options_for_model(model_dir, cp, options)
     launch = RankLaunch(str(model_dir), cp.cp_size, group, 1, options.dtype, options.num_pages, options.page_size,
                         options.threads_per_worker, bool(options.use_gpu), cp.ep_size, options.kv_cache_dtype,
-                        options.deterministic)
+                        options.deterministic, options.speculative_token_map)
     workers = start_workers(launch)
     metrics = replica_metrics("engine", (args.served_model_name or [model_dir.name])[0])  # also on Ray's export
     return engine_over_workers(model_dir, cp, options, workers, metrics, text, repair=RayRankRepair(launch))

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
 from cluster.engine_limits import EngineLimits
 from cluster.http_api.reasoning import REASONING_PARSERS
 from cluster.http_api.tool_parsers import TOOL_CALL_PARSERS
+from model_workers.checkpoint.draft_vocab import check_token_map_setting
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # as Kubernetes' default terminationGracePeriodSeconds
@@ -74,6 +75,9 @@ class ServeAppArgs(EngineLimits):
     cp_impl: CPImplName = "auto"
     ep_size: int = Field(1, ge=1)  # 1, or cp_size: the routed experts partitioned across the CP group
     speculative_num_steps: int = Field(0, ge=0, le=MAX_SPECULATIVE_STEPS)
+    # SGLang's flag: the draft head's vocabulary. auto: the checkpoint's draft_vocab.json if it ships one;
+    # none: the full vocabulary; else a token map file (draft_vocab.json format, or SGLang's .pt of ids)
+    speculative_token_map: str = "auto"
     dtype: DTypeName = "auto"  # the checkpoint's (bf16 on CUDA); float32 / bfloat16 force one
     kv_cache_dtype: KVCacheDTypeName = "auto"  # auto: keys in `dtype`; fp8_e4m3: DESIGN.md §10's FP8 layout
     enable_deterministic_inference: bool = False  # SGLang's name: batch-invariant ranks (bit-identical tokens)
@@ -87,6 +91,11 @@ class ServeAppArgs(EngineLimits):
         "how long requests in flight may run on after a stop (SIGTERM, a Serve redeploy or scale-down): the app "
         "then refuses new ones with 503 + Retry-After; also each deployment's graceful_shutdown_timeout_s"))
     ingress: IngressSettings = IngressSettings()
+
+    @field_validator("speculative_token_map")
+    @classmethod
+    def _token_map_exists(cls, value: str) -> str:
+        return check_token_map_setting(value)
 
     @model_validator(mode="after")
     def _auto_tool_choice_needs_a_parser(self) -> ServeAppArgs:

@@ -178,7 +178,7 @@ def run_mtp_prefill(
     backend = ctx.backend.bind_shard(batch, meta, ctx.comm, keep_topk_layers=share)
     mtp_local = model.mtp_forward(next_ids, hidden_local, batch.positions, backend)  # [T_logical, D]
     mtp_global = gather_rows_global(ctx.comm, meta, mtp_local, "hidden")  # [N, D]
-    draft_logits = model.mtp_logits(mtp_global[last_rows_global(meta).to(ctx.device)])  # [R, vocab]
+    draft_logits = model.draft_logits(mtp_global[last_rows_global(meta).to(ctx.device)])  # [R, vocab]
     topk_global = topk_positions_global(ctx, batch, meta, backend.kept_topk[mtp_layer_id]) if share else None
     for s, req in enumerate(shard.requests):
         out = outputs.get(req.request_id)

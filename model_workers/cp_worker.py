@@ -20,6 +20,7 @@ import torch
 
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
 from model_workers.backends.cp_backend import CPBackend
+from model_workers.checkpoint.draft_vocab import resolve_token_map
 from model_workers.checkpoint.loader import LoadReport, load_model_with_report
 from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, free_port
 from model_workers.cp_prefill import PrefillContext, run_prefill
@@ -70,11 +71,13 @@ class CPWorker:
         self.init_comm(master_addr, master_port)
 
     def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64,
-             ep_size: int = 1, kv_cache_dtype: str = "auto", deterministic: bool = False) -> dict:
+             ep_size: int = 1, kv_cache_dtype: str = "auto", deterministic: bool = False,
+             speculative_token_map: str = "auto") -> dict:
         """(Re)loads a checkpoint and a fresh cache of `num_pages` pages; requests held so far are dropped.
         ep_size = cp_size: this rank loads and runs only its block of every MoE layer's routed experts.
         kv_cache_dtype: "auto" (keys in `dtype`), "bfloat16" or "fp8_e4m3" (kv_format.py).
-        deterministic: every step batch-invariant (batch_invariant.py), for --enable-deterministic-inference."""
+        deterministic: every step batch-invariant (batch_invariant.py), for --enable-deterministic-inference.
+        speculative_token_map: the draft head's vocabulary (checkpoint/draft_vocab.py): auto, none or a file."""
         if ep_size not in (1, self.cp_size):
             raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {ep_size}")
         storage, progress = storage_dtype(dtype), LoadProgress(self.cp_rank, model_dir)  # lines on the console
@@ -82,6 +85,8 @@ class CPWorker:
             model_dir, dtype=compute_dtype(storage, self.device), device=self.device, progress=False,
             ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size, on_read=progress.read)
         progress.done(self.load_report.total_bytes)
+        if model.num_mtp_layers:
+            model.set_draft_vocab(resolve_token_map(speculative_token_map, model_dir, model.config.vocab_size))
         self.exchange = ExpertExchange(self.comm, deterministic) if ep_size > 1 else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
                                   kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype,
@@ -90,6 +95,7 @@ class CPWorker:
         self.held, self.prefilling = {}, {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else None,
                 **self.weights_info()}
 
     def weights_info(self) -> dict:

@@ -141,7 +141,7 @@ def draft_chain(
     hidden = torch.stack([s.held.draft_hidden for s in states]) if states else runner.empty_hidden()  # [B, D]
     drafts, probs = [[] for _ in states], [[] for _ in states]
     for j in range(k):
-        draft_logits = model.mtp_logits(hidden)  # [B, V]
+        draft_logits = model.draft_logits(hidden)  # [B, V] (a draft vocabulary's tokens only, if set)
         argmax = draft_logits.argmax(-1).tolist()  # [B]
         for b, state in enumerate(states):
             history = state.held.history.with_tokens(drafts[b]) if state.held.history is not None else None

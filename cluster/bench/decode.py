@@ -20,8 +20,8 @@ from cluster.config import MAX_SPECULATIVE_STEPS
 
 FORMULA = "(1 - a^(k+1)) / (1 - a), a = accepted / drafted"
 SPEEDUP_FORMULA = "E / (k*c + v): E mean accepted length, c draft cost per token and v verify cost, in plain steps"
-DECODE_FLAGS = ("model", "speculative_num_steps", "batch_size", "max_tokens", "temperature", "dtype", "steps_per_call",
-                "ray", "enable_deterministic_inference")
+DECODE_FLAGS = ("model", "speculative_num_steps", "speculative_token_map", "batch_size", "max_tokens", "temperature",
+                "dtype", "steps_per_call", "ray", "enable_deterministic_inference")
 
 
 def add_parser(kinds) -> None:
@@ -54,7 +54,8 @@ def measure(model_dir, k: int, batch: int, args) -> dict:
     prompts = [encode(tokenizer, p) if tokenizer else [1 + i, 2 + i, 3 + i] for i, p in enumerate(PROMPTS)]
     options = EngineOptions(args.dtype, num_pages=batch * (args.max_tokens // 16 + 4), page_size=16,
                             num_speculative_steps=k, max_steps_per_call=args.steps_per_call,
-                            deterministic=args.enable_deterministic_inference)
+                            deterministic=args.enable_deterministic_inference,
+                            speculative_token_map=args.speculative_token_map)
     engine, close = open_engine(model_dir, options, args.ray)
 
     def requests(tag: str, max_tokens: int, first: int):

@@ -59,6 +59,9 @@ def add_speculative_argument(parser: argparse.ArgumentParser, default: int | str
     what = "a comma list of k" if many else "k"
     parser.add_argument("--speculative-num-steps", type=str if many else int, default=default if many else None,
                         help=f"MTP draft tokens per step ({what}, 0..{MAX_SPECULATIVE_STEPS}; 0 = plain decoding)")
+    parser.add_argument("--speculative-token-map", default="auto",
+                        help="the draft head's vocabulary: auto (the checkpoint's draft_vocab.json when it ships one),"
+                             " none (the full vocabulary) or a token map file (JSON, or SGLang's .pt of token ids)")
     if not many:
         add_speculative_aliases(parser)
 

@@ -125,7 +125,8 @@ def run_generate(args: argparse.Namespace, model_dir: Path) -> list[dict]:
     k = args.speculative_num_steps
     num_pages = sum(ceil_div(len(r.prompt_token_ids) + r.max_tokens + k + 1, PAGE_SIZE) for r in requests) + 1
     options = EngineOptions(args.dtype, num_pages, PAGE_SIZE, k, use_gpu=str(args.device).startswith("cuda"),
-                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference)
+                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
+                            speculative_token_map=args.speculative_token_map)
     if cp is None:
         return run_all(start_local_engine(model_dir, options), requests)
     with ray_session(engine_cpus(cp.cp_size), args.ray_address):

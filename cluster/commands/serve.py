@@ -51,6 +51,7 @@ def app_args(args: argparse.Namespace):
     resolve_speculation(args)
     names = ("model", "chat_template", "served_model_name", "reasoning_parser", "tool_call_parser",
              "enable_auto_tool_choice", "cp_size", "cp_strategy", "cp_impl", "ep_size", "speculative_num_steps",
+             "speculative_token_map",
              "dtype", "kv_cache_dtype", "device", "engine_placement", "enable_deterministic_inference")
     fields = {name: getattr(args, name) for name in names}
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not

@@ -12,6 +12,7 @@ from torch import nn
 from model_workers.model.attention import MLAttention
 from model_workers.model.backend import AttentionBackend
 from model_workers.model.config import ModelConfig
+from model_workers.model.draft_vocab import DraftVocab
 from model_workers.model.layers import MLP, MoE, RMSNorm, deepseek_moe
 from model_workers.model.rope import RotaryTable
 
@@ -78,6 +79,7 @@ class DSAForCausalLM(nn.Module):
         self.model = DSABody(config, mtp_layout or [], expert_ids)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config)
+        self.draft_vocab: DraftVocab | None = None  # `set_draft_vocab`: the draft head's reduced vocabulary
 
     @property
     def num_mtp_layers(self) -> int:
@@ -134,8 +136,27 @@ class DSAForCausalLM(nn.Module):
         return x
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
+        """mtp_hidden [T, hidden] -> the MTP head's logits [T, vocab] float32 over the full vocabulary."""
+        normed = self._mtp_normed(mtp_hidden, mtp_index)
+        return torch.nn.functional.linear(normed, self.mtp_head_weight(mtp_index)).float()
+
+    def draft_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
+        """What speculation drafts from: `mtp_logits`, or with a draft vocabulary set, logits [T, vocab] that
+        only its tokens take (the others NOT_DRAFTED), for a fraction of the head's reads."""
+        if self.draft_vocab is None:
+            return self.mtp_logits(mtp_hidden, mtp_index)
+        return self.draft_vocab(self._mtp_normed(mtp_hidden, mtp_index))
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Drafts over `token_ids` [N] from now on (None: the full vocabulary); the head rows are copied now."""
+        self.draft_vocab = None if token_ids is None else DraftVocab(token_ids, self.mtp_head_weight(0))
+
+    def mtp_head_weight(self, mtp_index: int = 0) -> torch.Tensor:
+        """[vocab, hidden]: the MTP layer's own head, else the shared LM head."""
         mtp: MTPLayer = self.model.layers[self.config.num_hidden_layers + mtp_index]
-        normed = mtp.shared_head.norm(mtp_hidden)
         if mtp.shared_head.head is not None:
-            return torch.nn.functional.linear(normed, mtp.shared_head.head.weight).float()
-        return self.logits(normed)
+            return mtp.shared_head.head.weight
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _mtp_normed(self, mtp_hidden: torch.Tensor, mtp_index: int) -> torch.Tensor:
+        return self.model.layers[self.config.num_hidden_layers + mtp_index].shared_head.norm(mtp_hidden)

@@ -50,7 +50,7 @@ def indexer_scores(
     q_flat = index_q.float().reshape(num_rows * num_heads, dim)  # [Tc*H, D]
     if fixed_tiles:
         q_flat, _ = padded_rows(q_flat)  # at least MIN_ROWS rows: the product's bits do not depend on Tc
-    weights = index_weights.float()[:, None, :]  # [Tc, 1, H]
+    weights = index_weights.float()  # [Tc, H]
     out = torch.empty(num_rows, keys.shape[0], dtype=torch.float32, device=keys.device)
     for start in range(0, keys.shape[0], KEY_TILE):
         block = decode(keys[start : start + KEY_TILE], torch.float32)  # [Kb, D]
@@ -58,8 +58,18 @@ def indexer_scores(
         if fixed_tiles and count % KEY_BLOCK:
             block = torch.cat([block, block.new_zeros(KEY_BLOCK - count % KEY_BLOCK, block.shape[1])])
         dots = torch.matmul(q_flat, block.t())[: num_rows * num_heads].clamp_min_(0).view(num_rows, num_heads, -1)
-        out[:, start : start + count] = torch.bmm(weights, dots)[:, 0, :count]  # [Tc, Kb]
+        head_weighted_sum(dots[..., :count], weights, out[:, start : start + count])
     return out
+
+
+def head_weighted_sum(dots: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t, k] = Σ_h weights[t, h] · dots[t, h, k], heads added in order (elementwise: the same bits for a
+    score whatever rows or keys are beside it; 1.6x faster than a [1, H] x [H, Kb] bmm per row on CPU).
+
+    dots [Tc, H, Kb]; weights [Tc, H]; out [Tc, Kb] (a view, written in place)."""
+    torch.mul(dots[:, 0], weights[:, :1], out=out)
+    for head in range(1, dots.shape[1]):
+        out.addcmul_(dots[:, head], weights[:, head : head + 1])
 
 
 def causal_topk(
@@ -99,13 +109,16 @@ def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int, stabl
     """scores [Tc, K'] over key positions 0..K'-1 -> [Tc, min(width, K')] picked positions, -1 = none.
     `stable`: equal scores (ReLU makes many exactly 0) are picked earliest key first, whatever K' is."""
     key_positions = torch.arange(scores.shape[1], device=scores.device)
-    scores.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
+    first_future = int(positions.min()) + 1  # keys before it are visible to every query of the chunk
+    future = scores[:, first_future:]
+    future.masked_fill_(key_positions[None, first_future:] > positions[:, None], float("-inf"))
     width = min(width, scores.shape[1])
     if stable:
         picked = earliest_topk(scores, width)  # [Tc, width]
     else:
         picked = scores.topk(width, dim=-1).indices  # [Tc, width]
-    picked = torch.where(torch.isinf(scores.gather(1, picked)), -1, picked)
+    if first_future < width:  # some query has fewer than `width` causal keys: -inf picks mean none
+        picked = torch.where(torch.isinf(scores.gather(1, picked)), -1, picked)
     short = positions < width  # every causal key fits: take them all, in position order
     if short.any():
         all_keys = key_positions[:width].expand(int(short.sum()), width)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_workers.model.draft_vocab import DraftVocab
 from model_workers.model.layers import MoE, RMSNorm
 from model_workers.model.rope import RotaryTable
 from model_workers.model.v4_attention import V4Attention
@@ -77,6 +78,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.model = V4Body(config, num_mtp_layers, expert_ids)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.draft_vocab: DraftVocab | None = None  # `set_draft_vocab`: the draft head's reduced vocabulary
         rope_dim = config.qk_rope_head_dim
         self.main_table = RotaryTable.of(config.main_rope, rope_dim)  # sliding-only layers, the MTP block
         self.compress_table = RotaryTable.of(config.compress_rope, rope_dim)  # CSA / HCA layers
@@ -130,8 +132,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         mtp: V4MTPLayer = self.model.layers[self.config.num_hidden_layers + mtp_index]
         return self._head(mtp_hidden, mtp.hc_head, mtp.norm)
 
-    def _head(self, hidden: torch.Tensor, hc_head: HyperHead, norm: RMSNorm) -> torch.Tensor:
+    def draft_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
+        """What speculation drafts from: `mtp_logits`, or over the draft vocabulary when one is set."""
+        mtp: V4MTPLayer = self.model.layers[self.config.num_hidden_layers + mtp_index]
+        return self._head(mtp_hidden, mtp.hc_head, mtp.norm, self.draft_vocab)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Drafts over `token_ids` [N] from now on (None: the full vocabulary); the head rows are copied now."""
+        self.draft_vocab = None if token_ids is None else DraftVocab(token_ids, self.lm_head.weight)
+
+    def _head(self, hidden: torch.Tensor, hc_head: HyperHead, norm: RMSNorm, vocab: DraftVocab | None = None):
+        """hidden [..., N·D] -> logits [..., vocab] float32 (through `vocab`'s reduced head when given)."""
         shape = hidden.shape[:-1]
         streams = hidden.reshape(-1, self.config.hc_mult, self.config.hidden_size)  # [R, N, D]
-        logits = torch.nn.functional.linear(norm(hc_head(streams)), self.lm_head.weight).float()
+        normed = norm(hc_head(streams))  # [R, D]
+        logits = vocab(normed) if vocab is not None else torch.nn.functional.linear(normed, self.lm_head.weight).float()
         return logits.view(*shape, logits.shape[-1])

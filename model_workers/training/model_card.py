@@ -14,16 +14,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from model_workers.checkpoint.draft_vocab import DRAFT_VOCAB_FILE, TOKEN_MAP_AUTO, resolve_token_map
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.tokenizer import load_tokenizer
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.training.corpus import HELD_OUT_EVERY, stdlib_files, token_stream
 
-CARD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+CARD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", DRAFT_VOCAB_FILE)
 
 
 def file_hashes(model_dir: Path) -> dict[str, str]:
-    return {name: hashlib.sha256((model_dir / name).read_bytes()).hexdigest() for name in CARD_FILES}
+    return {name: hashlib.sha256((model_dir / name).read_bytes()).hexdigest() for name in CARD_FILES
+            if (model_dir / name).is_file()}
 
 
 @torch.inference_mode()
@@ -35,6 +37,7 @@ def window_metrics(runner: ModelRunner, window: list[int]) -> dict[str, torch.Te
     greedy = logits.argmax(-1)  # target's choice for token i+1
     mtp_hidden = runner.extend_mtp([ExtendItem(table, window[1:])], hidden, [0])
     draft1 = model.mtp_logits(mtp_hidden).argmax(-1)  # MTP's guess for token i+2
+    draft1_reduced = model.draft_logits(mtp_hidden).argmax(-1)  # the same over the draft vocabulary
     forced = runner.extend_mtp([ExtendItem(table, window[2:])], mtp_hidden[:-1], [0])
     chained = runner.extend_mtp([ExtendItem(table, draft1[:-1].tolist())], mtp_hidden[:-1], [0])
     n = len(window) - 3
@@ -43,13 +46,16 @@ def window_metrics(runner: ModelRunner, window: list[int]) -> dict[str, torch.Te
         "nll": F.cross_entropy(logits[:n], targets[:n], reduction="none"),
         "correct": greedy[:n] == targets[:n],
         "mtp1": draft1[:n] == greedy[1 : n + 1],
+        "mtp1_draft_vocab": draft1_reduced[:n] == greedy[1 : n + 1],
         "mtp2_forced": model.mtp_logits(forced).argmax(-1)[:n] == greedy[2 : n + 2],
         "mtp2_chained": model.mtp_logits(chained).argmax(-1)[:n] == greedy[2 : n + 2],
     }
 
 
 def evaluate_held_out(model_dir: str | Path, windows: int = 24, length: int = 512) -> dict:
-    runner = ModelRunner(load_model(model_dir, progress=False), num_pages=64, page_size=64)
+    model = load_model(model_dir, progress=False)
+    model.set_draft_vocab(resolve_token_map(TOKEN_MAP_AUTO, model_dir, model.config.vocab_size))
+    runner = ModelRunner(model, num_pages=64, page_size=64)
     stream = token_stream(load_tokenizer(model_dir), stdlib_files().held_out).tolist()
     step = max(length, (len(stream) - length) // windows)
     parts = [window_metrics(runner, stream[s : s + length]) for s in range(0, step * windows, step)]
@@ -62,6 +68,8 @@ def evaluate_held_out(model_dir: str | Path, windows: int = 24, length: int = 51
         "perplexity": float(torch.tensor(loss).exp()),
         "next_token_accuracy": float(joined["correct"].float().mean()),
         "mtp_step1_acceptance": float(step1.float().mean()),
+        "mtp_step1_acceptance_draft_vocab": float(joined["mtp1_draft_vocab"].float().mean()),
+        "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else model.config.vocab_size,
         "mtp_step2_acceptance_teacher_forced": float(joined["mtp2_forced"].float().mean()),
         "mtp_step2_acceptance_after_step1": float(joined["mtp2_chained"][step1].float().mean()),
     }
@@ -97,6 +105,8 @@ Python code; it exists so `make serve` shows CP prefill and speculative decoding
   head-summed attention, then top-k sparse attention; MTP loss weight {train["recipe"]["mtp_weight"]}
   (recursive second step {train["recipe"]["mtp2_weight"]}); auxiliary-loss-free expert balancing.
 - Reproduce: `dsa-serve train-tiny --out DIR --steps {train["steps"]}` (seed {train["recipe"]["seed"]}).
+- Draft vocabulary (`draft_vocab.json`): the {card["held_out"].get("draft_vocab_size")} most frequent training tokens;
+  speculation drafts over them only (`--speculative-token-map`), verification reads the full vocabulary.
 - The MTP layer sits at `model.layers.4.*`; `transformers`' `DeepseekV32ForCausalLM` loads the checkpoint and
   ignores it.
 

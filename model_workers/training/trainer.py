@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from model_workers.checkpoint.draft_vocab import save_draft_vocab
 from model_workers.checkpoint.saver import init_weights, save_checkpoint
 from model_workers.model.config import parse_model_config
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.model.layers import MoEGate
 from model_workers.training.corpus import EOS_TOKEN, save_tokenizer, stdlib_files, token_stream, train_tokenizer
-from model_workers.training.recipe import Recipe, batch_losses, sample_windows, tiny_config_json
+from model_workers.training.recipe import Recipe, batch_losses, most_frequent_tokens, sample_windows, tiny_config_json
 
 CALIBRATION_STEPS = 5  # step 1 pays one-off allocation costs; steps 2..5 time the budget
 
@@ -67,6 +68,16 @@ def held_out_loss(model: DSAForCausalLM, windows: torch.Tensor) -> dict[str, flo
     return {k: float(torch.stack([getattr(x, k) for x in losses]).mean()) for k in ("lm", "mtp", "mtp2")}
 
 
+def save_frequent_draft_vocab(out_dir: Path, train_stream: torch.Tensor, held_stream: torch.Tensor, vocab_size: int,
+                              count: int) -> None:
+    """draft_vocab.json: the draft head's tokens, the `count` most frequent of the training stream."""
+    token_ids, coverage = most_frequent_tokens(train_stream, vocab_size, count)
+    held_counts = torch.bincount(held_stream, minlength=vocab_size)
+    held_coverage = float(held_counts[token_ids].sum() / held_counts.sum())
+    save_draft_vocab(out_dir, token_ids, {"chosen_by": f"the {count} most frequent tokens of the training stream",
+                                          "train_token_coverage": coverage, "held_out_token_coverage": held_coverage})
+
+
 def train_tiny(out_dir: str | Path, minutes: float = 40.0, steps: int | None = None, recipe: Recipe = Recipe()) -> dict:
     torch.manual_seed(recipe.seed)
     out_dir = Path(out_dir)
@@ -75,6 +86,7 @@ def train_tiny(out_dir: str | Path, minutes: float = 40.0, steps: int | None = N
     tokenizer = train_tokenizer(corpus.train, recipe.vocab_size)
     save_tokenizer(tokenizer, out_dir, max_length=32768)
     train_stream, held_stream = token_stream(tokenizer, corpus.train), token_stream(tokenizer, corpus.held_out)
+    save_frequent_draft_vocab(out_dir, train_stream, held_stream, tokenizer.get_vocab_size(), recipe.draft_vocab_size)
     config_json = tiny_config_json(tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN))
     model = DSAForCausalLM(parse_model_config(config_json), mtp_layout=[(True, False)])
     init_weights(model, seed=recipe.seed)
