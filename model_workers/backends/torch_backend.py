@@ -15,7 +15,7 @@ import torch
 from model_workers.expert_parallel import ExpertExchange
 from model_workers.kv_cache import PagedKVCache
 from model_workers.model.batch_invariant import outside_mode
-from model_workers.model.sparse_ops import batched_causal_topk, causal_topk, sparse_mla_attention
+from model_workers.model.sparse_ops import batched_causal_topk, causal_topk, sparse_mla_attention, take_rows
 
 BATCHED_TOPK_MAX_ROWS = 16  # requests with at most this many new rows each share one top-k pass
 
@@ -77,7 +77,7 @@ class TorchBackend:
         for rows, key_slots in zip(batch.request_rows, batch.key_slots):
             if rows.numel() == 0:
                 continue
-            key_positions = causal_topk(index_q[rows], index_weights[rows], keys_store[key_slots],
+            key_positions = causal_topk(index_q[rows], index_weights[rows], take_rows(keys_store, key_slots),
                                         batch.positions[rows], topk, decode=self.cache.index_format.decode,
                                         deterministic=self.deterministic)  # [n, k_r]
             picked_slots = torch.where(key_positions >= 0, key_slots[key_positions.clamp_min(0)], -1)
@@ -90,7 +90,7 @@ class TorchBackend:
         key_slots = pad_rows(list(batch.key_slots), 0, device)  # [B, K] (pads lie past every position)
         positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
         safe_rows = row_ids.clamp_min(0)
-        keys = self.cache.index_keys[layer_id][key_slots]  # [B, K, W] stored rows
+        keys = take_rows(self.cache.index_keys[layer_id], key_slots)  # [B, K, W] stored rows
         key_positions = batched_causal_topk(index_q[safe_rows], index_weights[safe_rows], keys, positions, topk,
                                             decode=self.cache.index_format.decode)
         picked = torch.where(key_positions >= 0, key_slots.gather(1, key_positions.clamp_min(0).flatten(1))

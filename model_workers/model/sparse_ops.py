@@ -23,6 +23,12 @@ def as_dtype(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The decode of plain rows: a cast."""
     return stored.to(dtype)
 
+
+def take_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table [S, W] rows at ids [...] (all valid) -> [..., W]; `index_select`, 4-7x faster on CPU than
+    `table[ids]` for the gathers here (top-k keys, a request's key slots)."""
+    return table.index_select(0, ids.reshape(-1)).view(*ids.shape, table.shape[-1])
+
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
 ATTENTION_BUDGET_BYTES = 4 * 1024 * 1024  # gathered keys per attention chunk: cache-sized (1.5x faster on CPU)
 
@@ -187,11 +193,12 @@ def sparse_mla_attention(
     for start in range(0, num_rows, chunk):
         rows = slice(start, start + chunk)
         ids = key_ids[rows]  # [Tc, k]
-        gathered = decode(key_latent[ids.clamp_min(0)], q_latent.dtype)  # [Tc, k, C + R]: top-k rows only
-        c_kv, k_pe = gathered[..., :latent_dim], gathered[..., latent_dim:]
-        scores = torch.einsum("thc,tkc->thk", q_latent[rows], c_kv) + torch.einsum("thr,tkr->thk", q_pe[rows], k_pe)
-        scores = scores.float() * scale
-        scores.masked_fill_((ids < 0)[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(c_kv.dtype)  # [Tc, H, k]
-        out[rows] = torch.einsum("thk,tkc->thc", probs, c_kv)
+        gathered = decode(take_rows(key_latent, ids.clamp_min(0)), q_latent.dtype)  # [Tc, k, C + R]: top-k rows
+        q = torch.cat([q_latent[rows], q_pe[rows]], dim=-1)  # [Tc, H, C + R]: one product scores both parts
+        scores = torch.bmm(q, gathered.transpose(1, 2)).float().mul_(scale)  # [Tc, H, k]
+        missing = ids < 0  # [Tc, k] (a query with fewer than k causal keys)
+        if bool(missing.any()):
+            scores.masked_fill_(missing[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(gathered.dtype)  # [Tc, H, k]
+        torch.bmm(probs, gathered[..., :latent_dim], out=out[rows])  # values: the c_kv part of each key
     return out
