@@ -200,5 +200,5 @@ def sparse_mla_attention(
         if bool(missing.any()):
             scores.masked_fill_(missing[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(gathered.dtype)  # [Tc, H, k]
-        torch.bmm(probs, gathered[..., :latent_dim], out=out[rows])  # values: the c_kv part of each key
+        out[rows] = torch.bmm(probs, gathered[..., :latent_dim])  # values: the c_kv part of each key (autograd-safe)
     return out
