@@ -145,7 +145,8 @@ def validate(args: argparse.Namespace) -> list[int]:
 
 
 def run_attention(args: argparse.Namespace) -> int:
-    from cluster.bench.plot import require_matplotlib, save_plot
+    from cluster.bench.plot import save_plot
+    from cluster.bench.render import require_matplotlib
     from model_workers.checkpoint.loader import load_model
     from model_workers.checkpoint.model_dir import resolve_model_dir
 

@@ -136,7 +136,7 @@ def run_decode(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.plot:
-        from cluster.bench.plot import require_matplotlib
+        from cluster.bench.render import require_matplotlib
         require_matplotlib()
     model_dir = resolve_model_dir(args.model)
     runs = [measure(model_dir, k, batch, args) for batch in batches for k in ks]

@@ -11,22 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cluster.bench.render import require_matplotlib
 from cluster.bench.serve_report import plot as plot_serve
 
-MATPLOTLIB_MISSING = "--plot needs matplotlib: pip install 'dsa-serve[bench]'"
 PREFILL_EFFICIENCY_TARGET = 0.90
-
-
-def require_matplotlib():
-    """matplotlib.pyplot on the Agg backend; ValueError naming --plot if matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError(MATPLOTLIB_MISSING) from None
-    return plt
 
 
 def save_plot(result: dict, path: str) -> None:

@@ -177,7 +177,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.plot:
-        from cluster.bench.plot import require_matplotlib
+        from cluster.bench.render import require_matplotlib
         require_matplotlib()
     model_dir: Path = resolve_model_dir(args.model)
     cp = resolve_cp_settings(args, model_dir)

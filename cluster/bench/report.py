@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from cluster.bench.plot import PLOTTERS, decode_series, prefill_points, save_plot
+from cluster.bench.render import markdown_table
 from cluster.bench.serve_long_report import efficiency_table, long_table
 from cluster.bench.targets import evaluate
 
@@ -33,12 +34,24 @@ def add_parser(kinds) -> None:
     report.set_defaults(run=run_report)
 
 
+def read_result(path: Path):
+    """A bench's `--json` stdout: the whole file, or (Ray may print lines of its own first) its last line."""
+    text = path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        lines = text.strip().splitlines()
+        if len(lines) < 2:
+            raise
+        return json.loads(lines[-1])
+
+
 def load_results(folder: Path) -> tuple[list[tuple[str, dict]], list[str]]:
     """(name, result) per readable bench JSON, sorted by bench then file name; and notes on skipped files."""
     results, skipped = [], []
     for path in sorted(folder.glob("*.json")):
         try:
-            result = json.loads(path.read_text())
+            result = read_result(path)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             skipped.append(f"{path.name}: not JSON ({exc})")
             continue
@@ -48,23 +61,6 @@ def load_results(folder: Path) -> tuple[list[tuple[str, dict]], list[str]]:
         results.append((path.stem, result))
     rank = {kind: i for i, kind in enumerate(BENCH_ORDER)}
     return sorted(results, key=lambda item: (rank.get(item[1]["bench"], len(rank)), item[0])), skipped
-
-
-def fmt(value) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(fmt(v) for v in value)
-    return str(value)
-
-
-def markdown_table(headers: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return lines + ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
 
 
 def attention_table(result: dict) -> list[str]:

@@ -174,7 +174,7 @@ def transformers_block(baseline: dict) -> dict:
 def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels: list[int], runs: list[dict],
                       baseline: dict, efficiency: dict) -> dict:
     from cluster.bench.flops import DEFINITIONS as FLOP_DEFINITIONS
-    from cluster.bench.serve import SERVE_FLAGS
+    from cluster.bench.serve_server import SERVE_FLAGS
     from cluster.bench.transformers_long import QUEUE_DEFINITION
 
     headline = next((r for r in runs if all(r[k] == v for k, v in HEADLINE.items())), None)
@@ -199,8 +199,8 @@ def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels
 
 def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     """The long workload, start to end (after `check_arguments`); prints the result."""
-    from cluster.bench.serve import measure_served, server_info
     from cluster.bench.serve_long_report import plot_long, summary_text_long
+    from cluster.bench.serve_server import measure_served, server_info
     from cluster.bench.transformers_long import run_long_baseline
     from cluster.commands.serve import app_args
     from cluster.config import resolve_cp_settings

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from cluster.bench.flops import PHASES
+from cluster.bench.render import markdown_table, require_matplotlib
 
 LONG_HEADERS = ["L", "C", "TTFT p50 s", "TTFT p90 s", "tokens/s", "transformers TTFT p50 s", "transformers TTFT p90 s",
                 "transformers tokens/s", "x tokens/s", "TTFT / transformers"]
@@ -48,7 +49,6 @@ def skipped_notes(result: dict) -> list[str]:
 
 def long_table(result: dict) -> list[str]:
     """`bench report`'s section body for a `bench serve --workload long` result."""
-    from cluster.bench.report import markdown_table
 
     lines = markdown_table(LONG_HEADERS, long_rows(result)) + [""]
     headline = result.get("headline") or {}
@@ -64,7 +64,6 @@ def long_table(result: dict) -> list[str]:
 
 def efficiency_table(blocks: list[dict]) -> list[str]:
     """L, C, wall s, model GFLOP, GEMM GFLOP/s (one rank, all ranks), efficiency, and per phase."""
-    from cluster.bench.report import markdown_table
 
     rows = [[b["prompt_len"], b["cp_size"], b["wall_s"], b["model_flops"]["total"] / 1e9,
              b["gemm_flops_per_s"]["rank"] / 1e9, b["gemm_flops_per_s"]["all"] / 1e9, b["efficiency"],
@@ -104,7 +103,6 @@ def _series(result: dict, source: str, key: str, q: str | None) -> dict[int, tup
 
 def plot_long(result: dict, path: str) -> None:
     """TTFT p50 and output tokens/s vs prompt length (log-log), ours vs transformers, one line per concurrency."""
-    from cluster.bench.plot import require_matplotlib
 
     plt = require_matplotlib()
     figure, panels = plt.subplots(1, 2, figsize=(11, 4.5))

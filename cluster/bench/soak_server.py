@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from cluster.bench.serve import free_port
+from cluster.bench.serve_server import free_port
 from cluster.bench.soak_probe import children_of, gcs_address, start_time
 
 READY_TIMEOUT_S = 300

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from cluster.bench.plot import MATPLOTLIB_MISSING, prefill_points, save_plot
+from cluster.bench.plot import prefill_points, save_plot
+from cluster.bench.render import MATPLOTLIB_MISSING
 from cluster.cli import main
 
 GIB = 1 << 30
@@ -153,3 +154,15 @@ def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
     assert "KV cache bytes per token: measured 1280, formula 1280" in text
     assert text.index("## Targets") < text.index("explained here") < text.index("## Results")
     assert target_line(text, "CP strong-scaling").endswith("| PASS |")
+
+
+def test_a_result_after_ray_lines_on_stdout_is_read(tmp_path):
+    """`bench serve --json > FILE` may hold Ray's own lines before the JSON object (its last line)."""
+    from cluster.bench.report import load_results
+
+    (tmp_path / "serve_x.json").write_text("(raylet) Task ServeController.graceful_shutdown failed.\n"
+                                           + json.dumps({"bench": "serve", "runs": []}) + "\n")
+    (tmp_path / "junk.json").write_text("not json at all\n")
+    results, skipped = load_results(tmp_path)
+    assert [name for name, _ in results] == ["serve_x"]
+    assert len(skipped) == 1 and skipped[0].startswith("junk.json: not JSON")
