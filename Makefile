@@ -19,7 +19,7 @@ serve: install
 test: install
 	$(PY) -m pytest -q tests
 
-# Every benchmark (about 20 minutes on a 2-core CPU machine), then BENCHMARKS.md and docs/bench/*.png.
+# Every benchmark (on a 2-core CPU machine: about 20 minutes, plus 13 for the long workload), then BENCHMARKS.md and docs/bench/*.png.
 BENCH_DIR ?= bench-results
 DSA := $(VENV)/bin/dsa-serve
 bench: install
@@ -30,6 +30,8 @@ bench: install
 	$(DSA) bench attention --json > $(BENCH_DIR)/attention.json
 	$(DSA) bench decode --json > $(BENCH_DIR)/decode.json
 	$(DSA) bench decode --ray --speculative-num-steps 0,2 --batch-size 8 --json > $(BENCH_DIR)/decode_ray.json
+	$(DSA) bench decode --speculative-num-steps 0,2 --batch-size 1 --max-tokens 64 --speculative-token-map none --json > $(BENCH_DIR)/decode_draft_full_vocab.json
+	$(DSA) bench decode --speculative-num-steps 0,2 --batch-size 1 --max-tokens 64 --json > $(BENCH_DIR)/decode_draft_vocab.json
 	$(DSA) bench serve --engine-placement colocated --json > $(BENCH_DIR)/serve_colocated.json
 	$(DSA) bench serve --engine-placement separate --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_separate.json
 	$(DSA) bench serve --workload long --speculative-num-steps 2 --json > $(BENCH_DIR)/serve_long.json
