@@ -33,3 +33,19 @@ def test_draft_logits_equal_the_transformers_built_block(models, chunks):
             got.append(ours.mtp_logits(mtp_hidden))
         start += size
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=0)
+
+
+def test_a_draft_vocabulary_restricts_the_v4_draft_to_its_tokens(models):
+    _, _, ours = models
+    hidden = torch.randn(5, ours.config.hc_mult * ours.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    token_ids = torch.arange(0, ours.config.vocab_size, 3)
+    with torch.no_grad():
+        full = ours.mtp_logits(hidden)  # [5, V]
+        ours.set_draft_vocab(token_ids)
+        try:
+            drafted = ours.draft_logits(hidden)
+        finally:
+            ours.set_draft_vocab(None)
+    torch.testing.assert_close(drafted[:, token_ids], full[:, token_ids], atol=1e-5, rtol=0)
+    assert set(drafted.argmax(-1).tolist()) <= set(token_ids.tolist())
+    torch.testing.assert_close(ours.draft_logits(hidden), full)  # back to the full vocabulary
