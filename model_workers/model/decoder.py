@@ -142,8 +142,9 @@ class DSAForCausalLM(nn.Module):
 
     def draft_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
         """What speculation drafts from: `mtp_logits`, or with a draft vocabulary set, logits [T, vocab] that
-        only its tokens take (the others NOT_DRAFTED), for a fraction of the head's reads."""
-        if self.draft_vocab is None:
+        only its tokens take (the others NOT_DRAFTED), for a fraction of the head's reads. The vocabulary holds
+        MTP layer 0's head rows, so other MTP layers draft over the full vocabulary."""
+        if self.draft_vocab is None or mtp_index != 0:
             return self.mtp_logits(mtp_hidden, mtp_index)
         return self.draft_vocab(self._mtp_normed(mtp_hidden, mtp_index))
 
