@@ -1,5 +1,6 @@
 """The server side of `dsa-serve bench serve`: start `serve`'s app here (or use --url), and run the closed-loop levels
-over HTTP and on an in-process engine over rank workers started like the server's (load.py times the requests).
+over HTTP and on an in-process engine over rank workers started like the server's, in alternating rounds while
+both are up (load.py times the requests).
 Both workloads of `bench serve` (serve.py, serve_long.py) measure through these functions.
 """
 
@@ -58,44 +59,57 @@ def served_models(url: str, headers: dict) -> list[str]:
         time.sleep(1)
 
 
-async def run_groups(send, groups: dict, warmup: int) -> dict:
-    """`warmup` untimed requests of the first group's prompts, then every group's closed loops in order.
+ROUNDS = 2  # closed-loop rounds per path and level, the paths alternating (see measure_paths)
 
-    `groups` maps a key (None for the short workload, the prompt length for the long one) to (prompts, plan:
-    {concurrency: requests}); `send(prompts, i)` sends request i. Returns {key: {concurrency: summary}}."""
+
+def round_sizes(requests: int) -> list[int]:
+    """`requests` split over at most ROUNDS rounds, as evenly as can be (earlier rounds take the remainder)."""
+    rounds = min(ROUNDS, requests)
+    return [requests // rounds + (i < requests % rounds) for i in range(rounds)]
+
+
+async def measure_paths(senders: dict, groups: dict, warmup: int) -> dict:
+    """Every path's closed loops, interleaved so a slow spell of the machine taxes both paths alike.
+
+    `senders` maps a path name ("http", "in_process") to `send(prompts, i)`, which sends request i; `groups` maps
+    a key (None for the short workload, the prompt length for the long one) to (prompts, plan: {concurrency:
+    requests}). Each path first gets `warmup` untimed requests of the first group's prompts; then, per group and
+    level, its `requests` split over ROUNDS rounds (round_sizes), the paths taking turns A B, then B A. A path's
+    summary covers all its rounds (tokens / summed wall time). Returns {path: {key: {concurrency: summary}}}."""
     from cluster.bench.load import closed_loop, summarize
 
     first = next(iter(groups.values()))[0]
-    for i in range(warmup):
-        await send(first, i)
-    out = {}
+    for send in senders.values():
+        for i in range(warmup):
+            await send(first, i)
+    out: dict = {name: {} for name in senders}
     for key, (prompts, plan) in groups.items():
-        out[key] = {c: summarize(*await closed_loop(lambda i, p=prompts: send(p, i), n, c)) for c, n in plan.items()}
+        for concurrency, requests in plan.items():
+            runs = {name: ([], 0.0) for name in senders}
+            for round_index, size in enumerate(round_sizes(requests)):
+                order = list(senders) if round_index % 2 == 0 else list(senders)[::-1]
+                for name in order:
+                    timings, wall_s = await closed_loop(lambda i, p=prompts, s=senders[name]: s(p, i), size,
+                                                        concurrency)
+                    runs[name] = (runs[name][0] + timings, runs[name][1] + wall_s)
+            for name, (timings, wall_s) in runs.items():
+                out[name].setdefault(key, {})[concurrency] = summarize(timings, wall_s)
     return out
 
 
-async def http_levels(url: str, headers: dict, groups: dict, args) -> dict:
-    import httpx
-
+def http_sender(client, url: str, args):
     from cluster.bench.load import completion_body, http_request
 
-    most = max(c for _, plan in groups.values() for c in plan)
-    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits, headers=headers,
-                                 trust_env=False) as client:
-        def send(prompts: list, i: int):
-            return http_request(client, url, completion_body(prompts[i % len(prompts)][0], args.max_tokens))
+    def send(prompts: list, i: int):
+        return http_request(client, url, completion_body(prompts[i % len(prompts)][0], args.max_tokens))
 
-        return await run_groups(send, groups, args.warmup)
+    return send
 
 
-def in_process_levels(model_dir: Path, cp, settings, groups: dict, args) -> dict:
+def engine_sender(engine, args):
     from cluster.bench.load import engine_request
-    from cluster.engine_setup import start_engine
-    from cluster.serve_app import engine_options
     from cp_router.protocol import EngineRequest
 
-    engine, group = start_engine(model_dir, cp, engine_options(settings, model_dir))
     ids = iter(range(1 << 62))
 
     def send(prompts: list, i: int):
@@ -103,31 +117,52 @@ def in_process_levels(model_dir: Path, cp, settings, groups: dict, args) -> dict
                                 temperature=0.0, min_tokens=args.max_tokens)
         return engine_request(engine, request)
 
-    try:
-        return asyncio.run(run_groups(send, groups, args.warmup))
-    finally:
-        group.shutdown()
+    return send
+
+
+async def measure_both(url: str, headers: dict, engine, groups: dict, args) -> dict:
+    """measure_paths over HTTP (an httpx client) and, when `engine` is given, on it in this process."""
+    import httpx
+
+    most = max(c for _, plan in groups.values() for c in plan)
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits, headers=headers,
+                                 trust_env=False) as client:
+        senders = {"http": http_sender(client, url, args)}
+        if engine is not None:
+            senders["in_process"] = engine_sender(engine, args)
+        return await measure_paths(senders, groups, args.warmup)
 
 
 def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None) -> tuple[dict, dict | None, object]:
-    """In-process results per group and level (None when skipped), then HTTP ones (server started here unless
-    --url), then `after()` (if given) on the same Ray once the server this command started is stopped."""
+    """HTTP results per group and level (server started here unless --url) and in-process ones (None when
+    skipped), measured in alternating rounds while both are up (the idle one waits on an event, using no CPU),
+    then `after()` (if given) on the same Ray once the server this command started is stopped."""
+    from cluster.engine_setup import start_engine
     from cluster.launch import engine_cpus, start_ray
+    from cluster.serve_app import engine_options
 
     key = args.api_key or os.environ.get(API_KEY_ENV)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     needs_ray = args.url is None or not args.skip_in_process or after is not None
-    started_ray = needs_ray and start_ray(1 + engine_cpus(cp.cp_size), args.ray_address)
+    engines = (args.url is None) + (not args.skip_in_process)
+    started_ray = needs_ray and start_ray(1 + max(1, engines) * engine_cpus(cp.cp_size), args.ray_address)
     if args.url is None and not started_ray:
         raise ValueError("--url is required on a Ray cluster this command joins (--ray-address, $RAY_ADDRESS): "
                          "it starts its own server only on a Ray it starts")
+    engine, group = None, None
     try:
-        in_process = None if args.skip_in_process else in_process_levels(model_dir, cp, settings, groups, args)
+        if not args.skip_in_process:
+            engine, group = start_engine(model_dir, cp, engine_options(settings, model_dir))
         url = args.url.rstrip("/") if args.url else start_server(settings)
         models = served_models(url, headers)
         if model_dir.name not in models:
             raise ValueError(f"--url serves {models}, not {model_dir.name!r}: pass the --model that server runs")
-        http = asyncio.run(http_levels(url, headers, groups, args))
+        results = asyncio.run(measure_both(url, headers, engine, groups, args))
+        if group is not None:
+            group.shutdown()
+            group = None
+        http, in_process = results["http"], results.get("in_process")
         if after is None:
             return http, in_process, None
         if args.url is None:
@@ -136,6 +171,8 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
             serve.shutdown()
         return http, in_process, after()
     finally:
+        if group is not None:
+            group.shutdown()
         if started_ray:
             import ray
 

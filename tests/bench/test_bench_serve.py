@@ -70,6 +70,29 @@ def test_closed_loop_sends_every_request_once_with_at_most_c_in_flight():
     assert peak == 3 and wall_s > 0
 
 
+def test_paths_take_turns_in_rounds_and_each_summary_covers_all_its_requests():
+    from cluster.bench.serve_server import ROUNDS, measure_paths, round_sizes
+
+    assert ROUNDS == 2 and round_sizes(5) == [3, 2] and round_sizes(1) == [1] and sum(round_sizes(64)) == 64
+    calls = []
+
+    def sender(name: str):
+        async def send(prompts: list, i: int) -> RequestTiming:
+            calls.append((name, prompts[i % len(prompts)]))
+            await asyncio.sleep(0)
+            return RequestTiming(sent=0.0, chunk_times=[0.01, 0.02], tokens=2)
+        return send
+
+    groups = {None: (["p0", "p1"], {1: 3, 2: 4})}
+    out = asyncio.run(measure_paths({"a": sender("a"), "b": sender("b")}, groups, warmup=1))
+    order = [name for name, _ in calls]
+    assert order[:2] == ["a", "b"]  # one warmup request each
+    assert order[2:] == ["a", "a", "b", "b", "b", "a"] + ["a", "a", "b", "b", "b", "b", "a", "a"]
+    for name in ("a", "b"):
+        assert out[name][None][1]["num_requests"] == 3 and out[name][None][2]["num_requests"] == 4
+        assert out[name][None][2]["output_tokens"] == 8
+
+
 def test_sse_lines_other_than_data_are_ignored_and_errors_raise():
     timing = RequestTiming(0.0)
     assert apply_sse_line(timing, "", 1.0) and apply_sse_line(timing, ": keep-alive", 1.0)
