@@ -5,8 +5,9 @@ exactly --max-tokens tokens) to `POST /v1/completions` of --url, or of a server 
 `dsa-serve serve` does, on a local Ray it starts and stops. The same requests run at the same concurrency
 on a `DSAEngine` in this process, over rank workers started like the server's (Ray actors, the same
 EngineOptions), in rounds alternating with the HTTP ones (serve_server.measure_paths, so a slow spell of this
-shared machine taxes both alike), and HTTP / in-process is the serving overhead (Serve + HTTP + SSE). Last, the same prompts
-run through `transformers` `generate` in batches of C (transformers_baseline.py). Timing definitions: load.py.
+shared machine taxes both alike), and HTTP / in-process is the serving overhead (Serve + HTTP + SSE). Last, the
+same prompts run through `transformers` `generate` in batches of C (transformers_baseline.py). Timing
+definitions: load.py.
 With --url, --model/--cp-*/--speculative-num-steps/--dtype/--device must describe that server (the in-process
 engine and the baseline are built from them); the model name is checked.
 With --json the JSON object is the last line of stdout (Ray may print lines of its own before it).
@@ -44,8 +45,9 @@ def add_parser(kinds) -> None:
     add_long_arguments(bench)
     bench.add_argument("--concurrency", default=None, help="comma list of closed-loop client counts (default "
                                                            "1,8,32,64; --workload long: 1,4)")
-    bench.add_argument("--num-prompts", type=int, default=None, help="requests per level and path, split over the alternating rounds (default max(16, 4 x C);"
-                                                                     " --workload long: the largest C)")
+    bench.add_argument("--num-prompts", type=int, default=None,
+                       help="requests per level and path, split over the alternating rounds (default max(16, 4 x C);"
+                            " --workload long: the largest C, in one round)")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (exactly)")
     bench.add_argument("--prompt-len", type=int, default=0, help="random prompts of this many tokens "
                                                                  "(default 0: short Python code prompts)")

@@ -59,12 +59,12 @@ def served_models(url: str, headers: dict) -> list[str]:
         time.sleep(1)
 
 
-ROUNDS = 2  # closed-loop rounds per path and level, the paths alternating (see measure_paths)
+ROUNDS = 2  # closed-loop rounds per path and level when two paths alternate (see measure_paths)
 
 
-def round_sizes(requests: int) -> list[int]:
-    """`requests` split over at most ROUNDS rounds, as evenly as can be (earlier rounds take the remainder)."""
-    rounds = min(ROUNDS, requests)
+def round_sizes(requests: int, rounds: int) -> list[int]:
+    """`requests` split over at most `rounds` rounds, as evenly as can be (earlier rounds take the remainder)."""
+    rounds = min(rounds, requests)
     return [requests // rounds + (i < requests % rounds) for i in range(rounds)]
 
 
@@ -74,8 +74,9 @@ async def measure_paths(senders: dict, groups: dict, warmup: int) -> dict:
     `senders` maps a path name ("http", "in_process") to `send(prompts, i)`, which sends request i; `groups` maps
     a key (None for the short workload, the prompt length for the long one) to (prompts, plan: {concurrency:
     requests}). Each path first gets `warmup` untimed requests of the first group's prompts; then, per group and
-    level, its `requests` split over ROUNDS rounds (round_sizes), the paths taking turns A B, then B A. A path's
-    summary covers all its rounds (tokens / summed wall time). Returns {path: {key: {concurrency: summary}}}."""
+    level, its `requests` split over ROUNDS rounds (round_sizes), the paths taking turns A B, then B A; a
+    lone path runs all its requests in one round. A path's summary covers all its rounds (tokens / summed
+    wall time). Returns {path: {key: {concurrency: summary}}}."""
     from cluster.bench.load import closed_loop, summarize
 
     first = next(iter(groups.values()))[0]
@@ -86,7 +87,7 @@ async def measure_paths(senders: dict, groups: dict, warmup: int) -> dict:
     for key, (prompts, plan) in groups.items():
         for concurrency, requests in plan.items():
             runs = {name: ([], 0.0) for name in senders}
-            for round_index, size in enumerate(round_sizes(requests)):
+            for round_index, size in enumerate(round_sizes(requests, ROUNDS if len(senders) > 1 else 1)):
                 order = list(senders) if round_index % 2 == 0 else list(senders)[::-1]
                 for name in order:
                     timings, wall_s = await closed_loop(lambda i, p=prompts, s=senders[name]: s(p, i), size,

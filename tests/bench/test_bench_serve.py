@@ -73,7 +73,7 @@ def test_closed_loop_sends_every_request_once_with_at_most_c_in_flight():
 def test_paths_take_turns_in_rounds_and_each_summary_covers_all_its_requests():
     from cluster.bench.serve_server import ROUNDS, measure_paths, round_sizes
 
-    assert ROUNDS == 2 and round_sizes(5) == [3, 2] and round_sizes(1) == [1] and sum(round_sizes(64)) == 64
+    assert ROUNDS == 2 and round_sizes(5, 2) == [3, 2] and round_sizes(1, 2) == [1] and round_sizes(4, 1) == [4]
     calls = []
 
     def sender(name: str):
@@ -91,6 +91,18 @@ def test_paths_take_turns_in_rounds_and_each_summary_covers_all_its_requests():
     for name in ("a", "b"):
         assert out[name][None][1]["num_requests"] == 3 and out[name][None][2]["num_requests"] == 4
         assert out[name][None][2]["output_tokens"] == 8
+    in_flight, peak = 0, 0
+
+    async def tracked(prompts: list, i: int) -> RequestTiming:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return RequestTiming(sent=0.0, chunk_times=[0.01], tokens=1)
+
+    lone = asyncio.run(measure_paths({"a": tracked}, {None: (["p0"], {4: 4})}, warmup=0))
+    assert peak == 4 and lone["a"][None][4]["num_requests"] == 4  # one round of all 4 (the long workload's 8k x 4)
 
 
 def test_sse_lines_other_than_data_are_ignored_and_errors_raise():
