@@ -139,9 +139,7 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
     """HTTP results per group and level (server started here unless --url) and in-process ones (None when
     skipped), measured in alternating rounds while both are up (the idle one waits on an event, using no CPU),
     then `after()` (if given) on the same Ray once the server this command started is stopped."""
-    from cluster.engine_setup import start_engine
     from cluster.launch import engine_cpus, start_ray
-    from cluster.serve_app import engine_options
 
     key = args.api_key or os.environ.get(API_KEY_ENV)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -151,18 +149,8 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
     if args.url is None and not started_ray:
         raise ValueError("--url is required on a Ray cluster this command joins (--ray-address, $RAY_ADDRESS): "
                          "it starts its own server only on a Ray it starts")
-    engine, group = None, None
     try:
-        if not args.skip_in_process:
-            engine, group = start_engine(model_dir, cp, engine_options(settings, model_dir))
-        url = args.url.rstrip("/") if args.url else start_server(settings)
-        models = served_models(url, headers)
-        if model_dir.name not in models:
-            raise ValueError(f"--url serves {models}, not {model_dir.name!r}: pass the --model that server runs")
-        results = asyncio.run(measure_both(url, headers, engine, groups, args))
-        if group is not None:
-            group.shutdown()
-            group = None
+        results = measure_with_server(args, model_dir, cp, settings, groups, headers)
         http, in_process = results["http"], results.get("in_process")
         if after is None:
             return http, in_process, None
@@ -172,12 +160,29 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
             serve.shutdown()
         return http, in_process, after()
     finally:
-        if group is not None:
-            group.shutdown()
         if started_ray:
             import ray
 
             ray.shutdown()
+
+
+def measure_with_server(args, model_dir: Path, cp, settings, groups: dict, headers: dict) -> dict:
+    """measure_both against the server (started here unless --url) and, unless skipped, an in-process engine
+    whose rank group is shut down when the measuring ends."""
+    from cluster.engine_setup import start_engine
+    from cluster.serve_app import engine_options
+
+    engine, group = (None, None) if args.skip_in_process else start_engine(model_dir, cp,
+                                                                             engine_options(settings, model_dir))
+    try:
+        url = args.url.rstrip("/") if args.url else start_server(settings)
+        models = served_models(url, headers)
+        if model_dir.name not in models:
+            raise ValueError(f"--url serves {models}, not {model_dir.name!r}: pass the --model that server runs")
+        return asyncio.run(measure_both(url, headers, engine, groups, args))
+    finally:
+        if group is not None:
+            group.shutdown()
 
 
 def server_info(args, cp) -> dict:
