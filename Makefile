@@ -19,7 +19,10 @@ serve: install
 test: install
 	$(PY) -m pytest -q tests
 
-# Every benchmark (on a 2-core CPU machine: about 20 minutes, plus 13 for the long workload), then BENCHMARKS.md and docs/bench/*.png.
+# Every benchmark, then BENCHMARKS.md and docs/bench/*.png: about 50-60 minutes on a 2-core CPU machine, the soak
+# not included (`make soak`, about 13 more). On 2026-12-03 the commands other than attention, decode_draft_*,
+# serve_colocated and serve_long took 31 minutes (prefill_zigzag 351 s of them); serve_colocated takes about 7
+# and serve_long's timed runs about 11 (transformers' four 8k generates alone 415 s).
 BENCH_DIR ?= bench-results
 DSA := $(VENV)/bin/dsa-serve
 bench: install
