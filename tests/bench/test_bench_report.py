@@ -84,7 +84,8 @@ def test_report_tables_verdicts_and_plots(results_dir, tmp_path):
     assert target_line(text, "peak RSS").endswith("| MISS |")  # 5 GiB at 32k
     assert target_line(text, "KV bytes").endswith("| PASS |")
     assert target_line(text, "serving TTFT").endswith("| not measured | not measured |")
-    assert target_line(text, "throughput at concurrency 32").endswith("| not measured |")
+    assert target_line(text, "serving tokens/s HTTP").endswith("| not measured |")
+    assert target_line(text, "short-prompt decode in process").endswith("| not measured |")
     assert "dsa-serve bench attention --lengths 64,128,256,512 --json" in text
     assert "records no command" in text  # the prefill JSON has none
     assert "broken.json: not JSON" in text
@@ -99,7 +100,7 @@ def test_report_with_no_results_says_not_measured(tmp_path):
     empty.mkdir()
     text = write_report(empty, tmp_path)
     assert "No bench results found" in text
-    assert text.count("| not measured | not measured |") == 13
+    assert text.count("| not measured | not measured |") == 14
 
 
 def test_report_without_matplotlib_still_writes_tables(results_dir, tmp_path, monkeypatch):
