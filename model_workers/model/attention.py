@@ -13,6 +13,7 @@ from torch import nn
 from model_workers.model.backend import AttentionBackend
 from model_workers.model.config import ModelConfig
 from model_workers.model.layers import RMSNorm
+from model_workers.model.linear import Linear
 from model_workers.model.rope import attention_softmax_scale, rotate_half_split, rotate_interleaved
 
 
@@ -23,10 +24,10 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)
         self.rotate = rotate_interleaved if config.interleaved_index_rope else rotate_half_split
         # Σ_h w_h·H^-0.5 · ReLU(q·k·D^-0.5) == Σ_h (w_h·H^-0.5·D^-0.5) · ReLU(q·k): fold both scales into w.
         self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
@@ -51,13 +52,13 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.index_topk = config.index_topk
         bias = config.attention_bias
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.latent_dim, bias=bias)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, config.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
+        self.kv_b_proj = Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
         self.indexer = Indexer(config) if has_indexer else None
         self.scale = attention_softmax_scale(config)
 

@@ -14,6 +14,7 @@ from model_workers.model.backend import AttentionBackend
 from model_workers.model.config import ModelConfig
 from model_workers.model.draft_vocab import DraftVocab
 from model_workers.model.layers import MLP, MoE, RMSNorm, deepseek_moe
+from model_workers.model.linear import Linear, linear
 from model_workers.model.rope import RotaryTable
 
 
@@ -38,7 +39,7 @@ class SharedHead(nn.Module):
     def __init__(self, config: ModelConfig, has_own_head: bool):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if has_own_head else None
+        self.head = Linear(config.hidden_size, config.vocab_size, bias=False) if has_own_head else None
 
 
 class MTPLayer(DecoderLayer):
@@ -48,7 +49,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(config, has_indexer=True, sparse_mlp=sparse_mlp, expert_ids=expert_ids)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.shared_head = SharedHead(config, has_own_head)
 
 
@@ -77,7 +78,7 @@ class DSAForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DSABody(config, mtp_layout or [], expert_ids)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config)
         self.draft_vocab: DraftVocab | None = None  # `set_draft_vocab`: the draft head's reduced vocabulary
 
@@ -112,7 +113,7 @@ class DSAForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab] in float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def mtp_forward(
         self,
@@ -138,7 +139,7 @@ class DSAForCausalLM(nn.Module):
     def mtp_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
         """mtp_hidden [T, hidden] -> the MTP head's logits [T, vocab] float32 over the full vocabulary."""
         normed = self._mtp_normed(mtp_hidden, mtp_index)
-        return torch.nn.functional.linear(normed, self.mtp_head_weight(mtp_index)).float()
+        return linear(normed, self.mtp_head_weight(mtp_index)).float()
 
     def draft_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
         """What speculation drafts from: `mtp_logits`, or with a draft vocabulary set, logits [T, vocab] that

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_workers.model.linear import linear
+
 NOT_DRAFTED = -1.0e30
 
 
@@ -34,7 +36,7 @@ class DraftVocab(nn.Module):
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         """normed [..., hidden] (after the draft head's norm) -> logits [..., vocab_size] float32."""
-        reduced = nn.functional.linear(normed, self.weight).float()  # [..., N]
+        reduced = linear(normed, self.weight).float()  # [..., N]
         out = reduced.new_full((*reduced.shape[:-1], self.vocab_size), NOT_DRAFTED)
         return out.index_copy_(-1, self.token_ids, reduced)
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_workers.model.config import ModelConfig
+from model_workers.model.linear import Linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -33,9 +34,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +120,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = token_rows[start : start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])  # [n, hidden]
+            gate, up = linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = linear(swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])  # [n, hidden]
             yield rows, order[start : start + count], (y * flat_weights[start : start + count, None]).to(x.dtype)
             start += count
 

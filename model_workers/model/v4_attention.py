@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from model_workers.model.layers import RMSNorm
+from model_workers.model.linear import Linear
 from model_workers.model.rope import RotaryTable, rotate_pairs
 from model_workers.model.v4_blocks import unweighted_rms
 from model_workers.model.v4_compress import CSACompressor, HCACompressor, visible_entries
@@ -66,13 +67,13 @@ class V4Attention(nn.Module):
         self.num_heads, self.head_dim, self.rope_dim = heads, head_dim, config.qk_rope_head_dim
         self.o_groups, self.eps, self.scale = groups, config.rms_norm_eps, head_dim**-0.5
         self.window = config.sliding_window
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, heads * head_dim, bias=False)
-        self.kv_proj = nn.Linear(config.hidden_size, head_dim, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, heads * head_dim, bias=False)
+        self.kv_proj = Linear(config.hidden_size, head_dim, bias=False)
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.o_a_proj = nn.Linear(heads * head_dim // groups, groups * config.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.o_a_proj = Linear(heads * head_dim // groups, groups * config.o_lora_rank, bias=False)
+        self.o_b_proj = Linear(groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads, dtype=torch.float32))
         if layer_type == CSA:
             self.compressor = CSACompressor(config, with_indexer=True)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_workers.model.layers import RMSNorm
+from model_workers.model.linear import Linear
 from model_workers.model.rope import RotaryTable, rotate_pairs
 from model_workers.model.v4_config import CSA, HCA, V4Config
 
@@ -35,8 +36,8 @@ class WindowCompressor(nn.Module):
     def __init__(self, config: V4Config, rate: int, width: int, halves: int):
         super().__init__()
         self.rate, self.width, self.rope_dim = rate, width, config.qk_rope_head_dim
-        self.kv_proj = nn.Linear(config.hidden_size, halves * width, bias=False)
-        self.gate_proj = nn.Linear(config.hidden_size, halves * width, bias=False)
+        self.kv_proj = Linear(config.hidden_size, halves * width, bias=False)
+        self.gate_proj = Linear(config.hidden_size, halves * width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(rate, halves * width, dtype=torch.float32))
         self.kv_norm = RMSNorm(width, config.rms_norm_eps)
 
@@ -96,7 +97,7 @@ class CSACompressor(WindowCompressor):
 class IndexerScorer(nn.Module):
     def __init__(self, config: V4Config):
         super().__init__()
-        self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
+        self.weights_proj = Linear(config.hidden_size, config.index_n_heads, bias=False)
 
 
 class LightningIndexer(CSACompressor):
@@ -109,7 +110,7 @@ class LightningIndexer(CSACompressor):
     def __init__(self, config: V4Config):
         super().__init__(config, width=config.index_head_dim)
         self.num_heads, self.topk = config.index_n_heads, config.index_topk
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.width, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.width, bias=False)
         self.scorer = IndexerScorer(config)
 
     def queries(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -14,6 +14,7 @@ from torch import nn
 
 from model_workers.model.draft_vocab import DraftVocab
 from model_workers.model.layers import MoE, RMSNorm
+from model_workers.model.linear import Linear, linear
 from model_workers.model.rope import RotaryTable
 from model_workers.model.v4_attention import V4Attention
 from model_workers.model.v4_blocks import HyperConnection, HyperHead, expand_streams, v4_moe
@@ -51,8 +52,8 @@ class V4MTPLayer(V4DecoderLayer):
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.e_proj = nn.Linear(hidden, hidden, bias=False)
-        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.e_proj = Linear(hidden, hidden, bias=False)
+        self.h_proj = Linear(hidden, hidden, bias=False)
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
 
@@ -77,7 +78,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = V4Body(config, num_mtp_layers, expert_ids)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.draft_vocab: DraftVocab | None = None  # `set_draft_vocab`: the draft head's reduced vocabulary
         rope_dim = config.qk_rope_head_dim
         self.main_table = RotaryTable.of(config.main_rope, rope_dim)  # sliding-only layers, the MTP block
@@ -146,5 +147,5 @@ class DeepseekV4ForCausalLM(nn.Module):
         shape = hidden.shape[:-1]
         streams = hidden.reshape(-1, self.config.hc_mult, self.config.hidden_size)  # [R, N, D]
         normed = norm(hc_head(streams))  # [R, D]
-        logits = vocab(normed) if vocab is not None else torch.nn.functional.linear(normed, self.lm_head.weight).float()
+        logits = vocab(normed) if vocab is not None else linear(normed, self.lm_head.weight).float()
         return logits.view(*shape, logits.shape[-1])
