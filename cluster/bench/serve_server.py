@@ -12,12 +12,13 @@ import socket
 import time
 from pathlib import Path
 
+from cluster.direct_ingress import enable_direct_ingress
 from cluster.serve_settings import API_KEY_ENV
 
 READY_TIMEOUT_S = 300
-SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "ray_address", "speculative_num_steps", "dtype",
-               "device", "engine_placement", "concurrency", "num_prompts", "max_tokens", "prompt_len", "warmup", "skip_in_process",
-               "skip_transformers")  # the result's `command` (never --api-key)
+SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "ray_address", "speculative_num_steps",
+               "dtype", "device", "engine_placement", "concurrency", "num_prompts", "max_tokens", "prompt_len", "warmup",
+               "skip_in_process", "skip_transformers", "direct_ingress")  # the result's `command` (never --api-key)
 
 
 def free_port() -> int:
@@ -26,8 +27,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(settings) -> str:
-    """The app of `dsa-serve serve` (one engine replica) on a free local port; its URL.
+def start_server(settings, port: int | None = None) -> str:
+    """The app of `dsa-serve serve` (one engine replica) on a free local port, or with direct ingress (`port`
+    given, `enable_direct_ingress(port)` set before Ray started) at its HTTP replica on `port`; its URL.
 
     Serve runs on the Ray this command started and goes down with it (`ray.shutdown`).
     """
@@ -35,10 +37,10 @@ def start_server(settings) -> str:
 
     from cluster.serve_app import APP_NAME, build_application
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    proxy_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     serve.run(build_application(settings, 1), name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port or proxy_port}"
 
 
 def served_models(url: str, headers: dict) -> list[str]:
@@ -145,12 +147,15 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     needs_ray = args.url is None or not args.skip_in_process or after is not None
     engines = (args.url is None) + (not args.skip_in_process)
+    direct_port = free_port() if args.direct_ingress else None
+    if direct_port is not None:
+        enable_direct_ingress(direct_port)  # the server's HTTP replica port, set before Ray starts
     started_ray = needs_ray and start_ray(1 + max(1, engines) * engine_cpus(cp.cp_size), args.ray_address)
     if args.url is None and not started_ray:
         raise ValueError("--url is required on a Ray cluster this command joins (--ray-address, $RAY_ADDRESS): "
                          "it starts its own server only on a Ray it starts")
     try:
-        results = measure_with_server(args, model_dir, cp, settings, groups, headers)
+        results = measure_with_server(args, model_dir, cp, settings, groups, headers, direct_port)
         http, in_process = results["http"], results.get("in_process")
         if after is None:
             return http, in_process, None
@@ -166,16 +171,18 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
             ray.shutdown()
 
 
-def measure_with_server(args, model_dir: Path, cp, settings, groups: dict, headers: dict) -> dict:
-    """measure_both against the server (started here unless --url) and, unless skipped, an in-process engine
-    whose rank group is shut down when the measuring ends."""
+def measure_with_server(args, model_dir: Path, cp, settings, groups: dict, headers: dict,
+                        direct_port: int | None = None) -> dict:
+    """measure_both against the server (started here unless --url; at its HTTP replica's `direct_port` with
+    direct ingress) and, unless skipped, an in-process engine whose rank group is shut down when the measuring
+    ends."""
     from cluster.engine_setup import start_engine
     from cluster.serve_app import engine_options
 
     engine, group = (None, None) if args.skip_in_process else start_engine(model_dir, cp,
                                                                              engine_options(settings, model_dir))
     try:
-        url = args.url.rstrip("/") if args.url else start_server(settings)
+        url = args.url.rstrip("/") if args.url else start_server(settings, direct_port)
         models = served_models(url, headers)
         if model_dir.name not in models:
             raise ValueError(f"--url serves {models}, not {model_dir.name!r}: pass the --model that server runs")
@@ -189,4 +196,4 @@ def server_info(args, cp) -> dict:
     """The `server` block of a result: where it ran and with which CP / speculation / placement settings."""
     return {"url": args.url, "started_here": args.url is None, "cp_size": cp.cp_size, "cp_strategy": cp.strategy,
             "cp_impl": cp.impl, "speculative_num_steps": args.speculative_num_steps,
-            "engine_placement": args.engine_placement}
+            "engine_placement": args.engine_placement, "direct_ingress": bool(args.direct_ingress)}

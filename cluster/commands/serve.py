@@ -18,6 +18,7 @@ import time
 
 from cluster.commands.aliases import resolve_speculation
 from cluster.commands.args import add_server_arguments
+from cluster.direct_ingress import check_direct_ingress, enable_direct_ingress, proxy_port
 from cluster.engine_limits import limits_from
 from cluster.serve_settings import API_KEY_ENV, ServeAppArgs
 from cp_router.protocol import one_line
@@ -32,6 +33,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
     parser.add_argument("--allowed-origins", default=None,
                         help='CORS origins: a JSON list (vLLM\'s form, e.g. \'["*"]\') or a comma list')
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="clients reach the HTTP replica itself at --host:--port, no Serve proxy hop (Ray "
+                             "Serve's direct ingress; one HTTP replica, a local Ray)")
     drain = ServeAppArgs.model_fields["drain_timeout_s"]
     parser.add_argument("--drain-timeout-s", type=float, default=drain.default, help=drain.description)
     parser.set_defaults(run=run)
@@ -42,6 +46,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.direct_ingress:
+        check_direct_ingress(args.ray_address, args.engine_placement, args.replicas)
 
 
 def app_args(args: argparse.Namespace):
@@ -113,6 +119,9 @@ DRAIN_CALL_SLACK_S = 10.0  # beyond drain_timeout_s, for the broadcast itself to
 
 
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    if args.direct_ingress:
+        enable_direct_ingress(args.port)  # before Ray (and Serve) start: their processes read it then
     from ray import serve
 
     from cluster.config import resolve_cp_settings
@@ -122,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
     from model_workers.checkpoint.model_dir import resolve_model_dir
     from model_workers.checkpoint.tokenizer import read_chat_template
 
-    check_arguments(args)
     # Ctrl-C must stop the server even when this process inherited SIGINT as ignored (a parent that
     # ignores it, e.g. some launchers and test runners): Python then installs no KeyboardInterrupt handler.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -133,10 +141,12 @@ def run(args: argparse.Namespace) -> int:
     read_chat_template(model_dir, settings.chat_template)  # a bad --chat-template fails here, before Ray starts
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve_port = proxy_port(args.host) if args.direct_ingress else args.port
+        serve.start(http_options={"host": args.host, "port": serve_port})
         serve.run(build_application(settings, args.replicas), name=APP_NAME, route_prefix="/")
+        via = f" (direct ingress; Serve's proxy on port {serve_port})" if args.direct_ingress else ""
         print(f"dsa-serve: serving {model_dir.name} (cp_size={settings.cp_size}, replicas={args.replicas}) on "
-              f"http://{args.host}:{args.port}/v1; Ctrl-C stops", flush=True)
+              f"http://{args.host}:{args.port}/v1{via}; Ctrl-C stops", flush=True)
         drain(serve, settings, wait_for_stop())
     except KeyboardInterrupt:
         pass
