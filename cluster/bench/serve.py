@@ -39,6 +39,9 @@ from cluster.direct_ingress import check_direct_ingress
 from cluster.serve_settings import API_KEY_ENV
 
 
+MIN_REQUESTS_PER_LEVEL = 32  # TTFT p50 at one stream from 16 requests per path (8 per round) spread 1.07-1.34x
+
+
 def add_parser(kinds) -> None:
     bench = kinds.add_parser("serve", help="HTTP server under load: TTFT, ITL, tokens/s vs in-process and transformers")
     bench.add_argument("--url", default=None, help="a running server (default: start one here, stop it at the end)")
@@ -47,7 +50,7 @@ def add_parser(kinds) -> None:
     bench.add_argument("--concurrency", default=None, help="comma list of closed-loop client counts (default "
                                                            "1,8,32,64; --workload long: 1,4)")
     bench.add_argument("--num-prompts", type=int, default=None,
-                       help="requests per level and path, split over the alternating rounds (default max(16, 4 x C);"
+                       help="requests per level and path, split over the alternating rounds (default max(32, 4 x C);"
                             " --workload long: the largest C, in one round)")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (exactly)")
     bench.add_argument("--prompt-len", type=int, default=0, help="random prompts of this many tokens "
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(settings.model)
     cp = resolve_cp_settings(settings, model_dir)
     prompts = build_prompts(model_dir, args.prompt_len)
-    plan = {c: args.num_prompts or max(16, 4 * c) for c in levels}
+    plan = {c: args.num_prompts or max(MIN_REQUESTS_PER_LEVEL, 4 * c) for c in levels}
     http, in_process, _ = measure_served(args, model_dir, cp, settings, {None: (prompts, plan)})
     http, in_process = http[None], in_process and in_process[None]
     baseline = {"skipped": True, "reason": "--skip-transformers"}
