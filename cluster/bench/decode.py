@@ -1,7 +1,8 @@
 """`dsa-serve bench decode`: tokens/s with MTP speculation (k draft tokens per step) at batch size B.
 
-Every configuration runs greedy (or sampled) requests B at a time through one engine, each generating
---max-tokens tokens (EOS ignored), until every prompt of PROMPTS has run at least once. Reported per
+Every configuration runs greedy (or sampled) requests B at a time through its own engine, each generating
+--max-tokens tokens (EOS ignored), until every prompt of PROMPTS has run at least once, --rounds times; the
+configurations of one batch size take turns pass by pass (in-process or Ray engines all up at once). Reported per
 configuration: tokens/s; mean accepted length E and per-position acceptance next to (1 - a^(k+1)) / (1 - a);
 the draft cost c per token and verify cost v in plain steps, with the speedup E / (k·c + v) they predict;
 and the engine overhead per decode step: 1 - (model forward time) / (step wall time).
@@ -21,7 +22,7 @@ from cluster.config import MAX_SPECULATIVE_STEPS
 FORMULA = "(1 - a^(k+1)) / (1 - a), a = accepted / drafted"
 SPEEDUP_FORMULA = "E / (k*c + v): E mean accepted length, c draft cost per token and v verify cost, in plain steps"
 DECODE_FLAGS = ("model", "speculative_num_steps", "speculative_token_map", "batch_size", "max_tokens", "temperature",
-                "dtype", "steps_per_call", "ray", "enable_deterministic_inference")
+                "dtype", "steps_per_call", "rounds", "ray", "enable_deterministic_inference")
 
 
 def add_parser(kinds) -> None:
@@ -33,6 +34,8 @@ def add_parser(kinds) -> None:
     decode.add_argument("--temperature", type=float, default=0.0)
     add_dtype_argument(decode, default="bfloat16", allow_auto=False)
     decode.add_argument("--steps-per-call", type=int, default=4, help="decode steps per worker call")
+    decode.add_argument("--rounds", type=int, default=2,
+                        help="passes over the prompts per configuration; the ks of a batch size take turns")
     add_deterministic_argument(decode)
     decode.add_argument("--ray", action="store_true",
                         help="decode on a Ray worker actor as `serve` does (default: a worker in this process)")
@@ -45,59 +48,73 @@ def formula(a: float, k: int) -> float:
     return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def measure(model_dir, k: int, batch: int, args) -> dict:
+def measure_batch(model_dir, ks: list[int], batch: int, args) -> list[dict]:
+    """One result per k at batch size `batch`. Every k has its own engine, all up at once, and they take turns:
+    --rounds passes, each running every prompt at least once (B at a time) on each engine, the order of the ks
+    reversed every other pass, so a slow spell of a shared machine taxes every k alike."""
     from cluster.engine_setup import EngineOptions, run_all
     from cp_router.protocol import EngineRequest
     from model_workers.checkpoint.tokenizer import encode, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     prompts = [encode(tokenizer, p) if tokenizer else [1 + i, 2 + i, 3 + i] for i, p in enumerate(PROMPTS)]
-    options = EngineOptions(args.dtype, num_pages=batch * (args.max_tokens // 16 + 4), page_size=16,
-                            num_speculative_steps=k, max_steps_per_call=args.steps_per_call,
-                            deterministic=args.enable_deterministic_inference,
-                            speculative_token_map=args.speculative_token_map)
-    engine, close = open_engine(model_dir, options, args.ray)
+    options = {k: EngineOptions(args.dtype, num_pages=batch * (args.max_tokens // 16 + 4), page_size=16,
+                                num_speculative_steps=k, max_steps_per_call=args.steps_per_call,
+                                deterministic=args.enable_deterministic_inference,
+                                speculative_token_map=args.speculative_token_map) for k in ks}
+    engines, close = open_engines(model_dir, options, args.ray)
 
     def requests(tag: str, max_tokens: int, first: int):
         return [EngineRequest(f"{tag}{i}", tuple(prompts[i % len(prompts)]), max_tokens, args.temperature,
                               ignore_eos=True, seed=i) for i in range(first, first + batch)]
 
+    def one_pass(engine, tag: str) -> int:
+        return sum(len(r["token_ids"]) for first in range(0, max(batch, len(PROMPTS)), batch)
+                   for r in run_all(engine, requests(tag, args.max_tokens, first)))
+
     try:
-        run_all(engine, requests("warm", 8, 0))
-        before = copy.deepcopy(engine.stats)
-        start, tokens = time.perf_counter(), 0
-        for first in range(0, max(batch, len(PROMPTS)), batch):  # every prompt at least once, B at a time
-            tokens += sum(len(r["token_ids"]) for r in run_all(engine, requests("r", args.max_tokens, first)))
-        wall_s = time.perf_counter() - start
-        return summarize(engine.stats, before, k, batch, wall_s, tokens)
+        for engine in engines.values():
+            run_all(engine, requests("warm", 8, 0))
+        before = {k: copy.deepcopy(engine.stats) for k, engine in engines.items()}
+        wall_s, tokens = dict.fromkeys(ks, 0.0), dict.fromkeys(ks, 0)
+        for round_index in range(args.rounds):
+            for k in ks if round_index % 2 == 0 else ks[::-1]:
+                start = time.perf_counter()
+                tokens[k] += one_pass(engines[k], f"r{round_index}-")
+                wall_s[k] += time.perf_counter() - start
+        return [summarize(engines[k].stats, before[k], k, batch, wall_s[k], tokens[k]) for k in ks]
     finally:
         close()
 
 
-def open_engine(model_dir, options, use_ray: bool):
-    """(engine, close): a C = 1 engine over an in-process worker, or over one Ray worker actor."""
+def open_engines(model_dir, options: dict, use_ray: bool):
+    """({k: engine}, close): C = 1 engines (one per entry of `options`) over in-process workers, or over one Ray
+    worker actor each."""
     from cluster.engine_setup import LOCAL_CP, start_engine, start_local_engine
     from cluster.launch import engine_cpus, start_ray
 
     if not use_ray:
-        return start_local_engine(model_dir, options), lambda: None
+        return {k: start_local_engine(model_dir, o) for k, o in options.items()}, lambda: None
     import ray
 
-    started = start_ray(engine_cpus(1), None)
-    engine, group = start_engine(model_dir, LOCAL_CP, options)
+    started = start_ray(len(options) * engine_cpus(1), None)
+    pairs = {k: start_engine(model_dir, LOCAL_CP, o) for k, o in options.items()}
 
     def close():
-        group.shutdown()
+        for _, group in pairs.values():
+            group.shutdown()
         if started:
             ray.shutdown()
-    return engine, close
+    return {k: engine for k, (engine, _) in pairs.items()}, close
 
 
 def summarize(stats, before, k: int, batch: int, wall_s: float, tokens: int) -> dict:
     drafted, accepted = stats.drafted - before.drafted, stats.accepted - before.accepted
     per_position = [n - b for n, b in zip(stats.accepted_per_position, before.accepted_per_position)]
-    steps = {p: stats.decode_loop_steps.get(p, 0) - before.decode_loop_steps.get(p, 0) for p in ("plain", "speculative")}
-    model_s = {p: stats.decode_model_s.get(p, 0.0) - before.decode_model_s.get(p, 0.0) for p in ("plain", "draft", "verify")}
+    steps = {p: stats.decode_loop_steps.get(p, 0) - before.decode_loop_steps.get(p, 0)
+             for p in ("plain", "speculative")}
+    model_s = {p: stats.decode_model_s.get(p, 0.0) - before.decode_model_s.get(p, 0.0)
+               for p in ("plain", "draft", "verify")}
     verify_steps = drafted // k if k else 0  # request-steps: one per request per verification
     a = accepted / drafted if drafted else 0.0
     only_wall = stats.decode_only_wall_s - before.decode_only_wall_s
@@ -135,18 +152,21 @@ def run_decode(args: argparse.Namespace) -> int:
     batches = int_list(args.batch_size, "--batch-size", 1, 256)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.plot:
         from cluster.bench.render import require_matplotlib
         require_matplotlib()
     model_dir = resolve_model_dir(args.model)
-    runs = [measure(model_dir, k, batch, args) for batch in batches for k in ks]
+    runs = [run for batch in batches for run in measure_batch(model_dir, ks, batch, args)]
     for run in runs:
         base = next(r for r in runs if r["batch_size"] == run["batch_size"])
         run["speedup_vs_first_k"] = run["tokens_per_s"] / base["tokens_per_s"]
     add_cost_model(runs)
     result = {"bench": "decode", "command": spelled_command("decode", args, DECODE_FLAGS), "model": str(model_dir),
               "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "deterministic": args.enable_deterministic_inference, "engine": "ray worker" if args.ray else "in-process worker", "formula": FORMULA,
+              "deterministic": args.enable_deterministic_inference, "rounds": args.rounds,
+              "engine": "ray worker" if args.ray else "in-process worker", "formula": FORMULA,
               "speedup_formula": SPEEDUP_FORMULA, "runs": runs}
     if args.plot:
         from cluster.bench.plot import save_plot

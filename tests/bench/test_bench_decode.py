@@ -25,9 +25,10 @@ def test_decode_bench_counts_tokens_acceptance_and_costs(capsys, mtp_folder):
     assert result["command"].startswith("dsa-serve bench decode --model")
     runs = {(r["speculative_num_steps"], r["batch_size"]): r for r in result["runs"]}
     assert set(runs) == {(0, 1), (2, 1), (0, 3), (2, 3)}
+    assert result["rounds"] == 2
     for (k, batch), run in runs.items():
-        rounds = -(-len(PROMPTS) // batch)
-        assert run["tokens"] == rounds * batch * 6  # every request ran to --max-tokens (EOS ignored)
+        passes = -(-len(PROMPTS) // batch)  # every prompt at least once, B at a time, in each of the 2 rounds
+        assert run["tokens"] == 2 * passes * batch * 6  # every request ran to --max-tokens (EOS ignored)
         assert 0 <= run["engine_overhead_fraction"] < 1 and run["decode_only_steps"] > 0
         if k == 0:
             assert run["decode_loop_steps"]["plain"] > 0 and run["decode_loop_steps"]["speculative"] == 0
@@ -57,9 +58,11 @@ def test_cost_model_uses_the_plain_run_of_the_same_batch_size():
 
 
 def test_decode_bench_through_a_ray_worker(capsys, mtp_folder):
-    result = bench_json(capsys, mtp_folder, "--speculative-num-steps", "1", "--batch-size", "4", "--ray")
-    (run,) = result["runs"]
-    assert result["engine"] == "ray worker" and run["tokens"] == 8 * 6
+    result = bench_json(capsys, mtp_folder, "--speculative-num-steps", "0,1", "--batch-size", "4", "--ray",
+                        "--rounds", "1")
+    assert [r["speculative_num_steps"] for r in result["runs"]] == [0, 1]  # two Ray engines, up at once
+    run = result["runs"][1]
+    assert result["engine"] == "ray worker" and run["tokens"] == 8 * 6 and "--rounds 1" in result["command"]
     assert 0 <= run["engine_overhead_fraction"] < 1
 
 
@@ -67,6 +70,7 @@ def test_decode_bench_through_a_ray_worker(capsys, mtp_folder):
     (["--speculative-num-steps", "5"], "--speculative-num-steps values must be in 0..4"),
     (["--batch-size", "x"], "--batch-size must be comma-separated integers"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_decode_bench_flag_errors(capsys, argv, message):
     assert main(["bench", "decode", *argv]) == 2

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.cli import main as cli_main
 from cluster.direct_ingress import check_direct_ingress, direct_ingress_env
-from support.serve_process import descendant_pids, free_port, start_server, wait_until_ready
+from support.serve_process import descendant_pids, free_port, start_server, wait_for_log, wait_until_ready
 
 
 def test_the_replica_port_range_is_the_one_port():
@@ -71,6 +71,7 @@ def test_the_http_replica_answers_on_port_and_stops_on_ctrl_c(tmp_path):
         wait_until_ready(process, base_url, log_path)
         replicas = descendant_pids(process.pid, b"ServeReplica")
         assert listener_pid(port, replicas) is not None  # the replica's own server, not the proxy
+        assert wait_for_log(log_path, "Serve's proxy on port")  # printed once serve.run returns, maybe later
         proxy = int(re.search(r"direct ingress; Serve's proxy on port (\d+)", log_path.read_text()).group(1))
         assert proxy != port and listener_pid(proxy, descendant_pids(process.pid, b"ProxyActor")) is not None
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
