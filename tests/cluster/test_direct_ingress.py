@@ -4,8 +4,6 @@ combinations it cannot serve are refused by name, and the server answers and sto
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -14,7 +12,8 @@ import pytest
 
 from cluster.cli import main as cli_main
 from cluster.direct_ingress import check_direct_ingress, direct_ingress_env
-from support.serve_process import descendant_pids, free_port, start_server, wait_for_log, wait_until_ready
+from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
+                                   wait_until_ready)
 
 
 def test_the_replica_port_range_is_the_one_port():
@@ -83,10 +82,4 @@ def test_the_http_replica_answers_on_port_and_stops_on_ctrl_c(tmp_path):
                                                              "max_tokens": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            assert process.wait(timeout=90) == 0, log_path.read_text()[-4000:]
-        except subprocess.TimeoutExpired:
-            process.kill()
-            pytest.fail("dsa-serve serve --direct-ingress did not stop within 90 s of Ctrl-C")
-    assert "dsa-serve: stopped" in log_path.read_text()
+        stop_with_ctrl_c(process, log_path)

@@ -12,7 +12,8 @@ import signal
 import httpx
 import pytest
 
-from support.serve_process import descendant_pids, free_port, start_server, wait_for_log, wait_until_ready
+from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
+                                   wait_until_ready)
 
 MAX_TOKENS, NUM_REQUESTS = 60, 8
 
@@ -25,8 +26,7 @@ def server(tmp_path_factory):
     base_url = f"http://127.0.0.1:{port}"
     wait_until_ready(process, base_url, log_path)
     yield base_url, log_path, process.pid
-    process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=90) == 0, log_path.read_text()[-4000:]
+    stop_with_ctrl_c(process, log_path)
 
 
 async def stream(http: httpx.AsyncClient, index: int, started: asyncio.Event) -> dict:

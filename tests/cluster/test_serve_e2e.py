@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 
 import httpx
@@ -20,7 +19,8 @@ from cluster.cli import main as cli_main
 from cluster.serve_app import app as app_builder
 from cluster.serve_app import engine_bundles
 from cluster.serve_settings import ServeAppArgs
-from support.serve_process import descendant_pids, free_port, start_server, wait_for_log, wait_until_ready
+from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
+                                   wait_until_ready)
 
 API_KEY = "sk-e2e"
 PROMPTS = ["Hello", "The quick brown fox", "def main():", "Once upon a time"]
@@ -37,13 +37,7 @@ def server(tmp_path_factory, request):
     base_url = f"http://127.0.0.1:{port}"
     wait_until_ready(process, base_url, log_path, API_KEY)
     yield base_url, log_path, process.pid
-    process.send_signal(signal.SIGINT)
-    try:
-        assert process.wait(timeout=90) == 0, log_path.read_text()[-4000:]
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail("dsa-serve serve did not stop within 90 s of Ctrl-C")
-    assert "dsa-serve: stopped" in log_path.read_text()
+    stop_with_ctrl_c(process, log_path)
 
 
 @pytest.fixture(scope="module")

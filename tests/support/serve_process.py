@@ -52,6 +52,17 @@ def wait_until_ready(process: subprocess.Popen, base_url: str, log_path: Path, a
     pytest.fail(f"dsa-serve serve not ready within {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
 
 
+def stop_with_ctrl_c(process: subprocess.Popen, log_path: Path, timeout_s: float = 90.0) -> None:
+    """Ctrl-C (SIGINT) the server; it must exit 0 within `timeout_s` and log that it stopped (else killed, failed)."""
+    process.send_signal(signal.SIGINT)
+    try:
+        assert process.wait(timeout=timeout_s) == 0, log_path.read_text()[-4000:]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"dsa-serve serve did not stop within {timeout_s:g} s of Ctrl-C")
+    assert "dsa-serve: stopped" in log_path.read_text()
+
+
 def wait_for_log(log_path: Path, text: str, timeout_s: float = 30.0) -> bool:
     """Whether `text` shows up in the server's log within `timeout_s` (lines travel from replicas through Ray)."""
     deadline = time.monotonic() + timeout_s
