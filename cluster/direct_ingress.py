@@ -20,7 +20,6 @@ DRAINING_PERIOD_S once `dsa-serve serve` has run its own drain.
 from __future__ import annotations
 
 import os
-import socket
 
 DRAINING_PERIOD_S = 1.0  # Serve's own minimum is 30 s; `dsa-serve serve` drains the replicas before it stops Serve
 
@@ -59,10 +58,3 @@ def enable_direct_ingress(port: int) -> None:
     if ray.is_initialized():
         raise RuntimeError("--direct-ingress must be set before Ray starts in this process")
     os.environ.update(direct_ingress_env(port))
-
-
-def proxy_port(host: str) -> int:
-    """A free port on `host` for Serve's proxy, which direct-ingress clients do not use."""
-    with socket.socket() as sock:
-        sock.bind((host if host not in ("", "0.0.0.0") else "127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from pathlib import Path
 
 from cluster.direct_ingress import enable_direct_ingress
 from cluster.serve_settings import API_KEY_ENV
+from model_workers.comm import free_port
 
 READY_TIMEOUT_S = 300
 SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "ray_address", "speculative_num_steps",
                "dtype", "device", "engine_placement", "concurrency", "num_prompts", "max_tokens", "prompt_len", "warmup",
                "skip_in_process", "skip_transformers", "direct_ingress")  # the result's `command` (never --api-key)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(settings, port: int | None = None) -> str:

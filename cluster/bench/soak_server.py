@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from cluster.bench.serve_server import free_port
 from cluster.bench.soak_probe import children_of, gcs_address, start_time
+from model_workers.comm import free_port
 
 READY_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 120

@@ -18,7 +18,7 @@ import time
 
 from cluster.commands.aliases import resolve_speculation
 from cluster.commands.args import add_server_arguments
-from cluster.direct_ingress import check_direct_ingress, enable_direct_ingress, proxy_port
+from cluster.direct_ingress import check_direct_ingress, enable_direct_ingress
 from cluster.engine_limits import limits_from
 from cluster.serve_settings import API_KEY_ENV, ServeAppArgs
 from cp_router.protocol import one_line
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.launch import engine_cpus, start_ray
     from cluster.serve_app import APP_NAME, build_application, engine_options
     from model_workers.checkpoint.model_dir import resolve_model_dir
+    from model_workers.comm import free_port
     from model_workers.checkpoint.tokenizer import read_chat_template
 
     # Ctrl-C must stop the server even when this process inherited SIGINT as ignored (a parent that
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     read_chat_template(model_dir, settings.chat_template)  # a bad --chat-template fails here, before Ray starts
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
-        serve_port = proxy_port(args.host) if args.direct_ingress else args.port
+        serve_port = free_port() if args.direct_ingress else args.port  # Serve's proxy, unused by clients
         serve.start(http_options={"host": args.host, "port": serve_port})
         serve.run(build_application(settings, args.replicas), name=APP_NAME, route_prefix="/")
         via = f" (direct ingress; Serve's proxy on port {serve_port})" if args.direct_ingress else ""
