@@ -49,6 +49,9 @@ class CaptureBackend:
     def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
         self.tensors.update(latent=latent, index_k=index_key)  # [L, C + R], [L, D_idx]
 
+    def needs_index_scores(self, layer_id: int, topk: int) -> bool:
+        return True  # the indexer's inputs are what it records
+
     def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int):
         self.tensors.update(index_q=index_q, index_w=index_weights)  # [L, H_idx, D_idx], [L, H_idx]
         return torch.empty(index_q.shape[0], 0, dtype=torch.long)

@@ -64,7 +64,8 @@ class CPBackend(TorchBackend):
         index_global = rows_global[:, width:] if index_rows is not None else None  # [N, W_idx]
         self.store_rows(layer_id, rows_global[:, :width], index_global)
 
-    def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+    def select_topk(self, layer_id: int, index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
+                    topk: int) -> torch.Tensor:
         topk_slots = super().select_topk(layer_id, index_q, index_weights, topk)  # [T_local, k']
         if layer_id in self.keep_topk_layers:
             self.kept_topk[layer_id] = topk_slots

@@ -40,7 +40,11 @@ class SharedTopkBackend(TorchBackend):
         self.kept: torch.Tensor | None = None
         self.reuse: torch.Tensor | None = None
 
-    def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+    def needs_index_scores(self, layer_id: int, topk: int) -> bool:
+        return not (layer_id == self.layer_id and self.reuse is not None) and super().needs_index_scores(layer_id, topk)
+
+    def select_topk(self, layer_id: int, index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
+                    topk: int) -> torch.Tensor:
         if layer_id == self.layer_id and self.reuse is not None:
             return self.reuse.to(index_q.device)
         topk_slots = super().select_topk(layer_id, index_q, index_weights, topk)  # [T, k']

@@ -43,9 +43,11 @@ class TorchBackend:
         self.exchange = exchange
         self.deterministic = deterministic
         self.batch: ForwardBatch | None = None
+        self._all_keys: dict[int, torch.Tensor] = {}  # width -> `all_causal_keys` of the bound batch
 
     def bind(self, batch: ForwardBatch) -> "TorchBackend":
         self.batch = batch
+        self._all_keys = {}
         return self
 
     def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
@@ -56,13 +58,28 @@ class TorchBackend:
         """Writes encoded rows [W, width] at the batch's write slots."""
         self.cache.write(layer_id, self.batch.write_slots, latent_rows, index_rows)
 
-    def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+    def needs_index_scores(self, layer_id: int, topk: int) -> bool:
+        """False when no request of the batch has more than `topk` keys: every query takes all its causal keys."""
+        return self._max_keys() > topk
+
+    def _max_keys(self) -> int:
+        return max((len(s) for s in self.batch.key_slots), default=0)
+
+    def select_topk(self, layer_id: int, index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
+                    topk: int) -> torch.Tensor:
         with outside_mode(self.deterministic):
             return self._select(layer_id, index_q, index_weights, topk)
 
-    def _select(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+    def _select(self, layer_id: int, index_q, index_weights, topk: int) -> torch.Tensor:
         batch = self.batch
-        width = topk if self.deterministic else min(topk, max((len(s) for s in batch.key_slots), default=0))
+        width = topk if self.deterministic else min(topk, self._max_keys())
+        if index_q is None:
+            if self._max_keys() > topk:
+                raise ValueError(f"layer {layer_id}: top-{topk} of up to {self._max_keys()} keys needs the indexer's "
+                                 "queries (needs_index_scores is True), got None")
+            if width not in self._all_keys:  # the same for every layer of the forward
+                self._all_keys[width] = all_causal_keys(batch, width)
+            return self._all_keys[width]
         out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=index_q.device)
         if self.deterministic:
             self._select_per_request(layer_id, index_q, index_weights, topk, out)
@@ -110,6 +127,24 @@ class TorchBackend:
         with outside_mode(self.deterministic):  # one shape per product (topk wide): batch-invariant as it is
             return sparse_mla_attention(q_latent, q_pe, cache.latent[layer_id], topk_ids, scale,
                                         decode=cache.latent_format.decode)
+
+
+def all_causal_keys(batch: ForwardBatch, width: int) -> torch.Tensor:
+    """[T, width] slots: each query's causal keys (positions 0..p) in position order, then -1. What the top-k
+    selection picks when no query has more than `width` keys, whatever the scores (`pick_causal`)."""
+    device = batch.positions.device
+    out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=device)
+    if batch.num_rows == 0 or width == 0:
+        return out
+    row_ids = pad_rows(list(batch.request_rows), -1, device)  # [B, n] rows into [T], -1 = pad
+    key_slots = pad_rows(list(batch.key_slots), -1, device)[:, :width]  # [B, K] slots of positions 0..K-1
+    positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
+    key_positions = torch.arange(key_slots.shape[1], device=device)  # [K]
+    causal = key_positions[None, None, :] <= positions[:, :, None]  # [B, n, K]
+    picked = torch.where(causal, key_slots[:, None, :], -1)  # [B, n, K]
+    real = row_ids >= 0
+    out[row_ids[real], : picked.shape[2]] = picked[real]
+    return out
 
 
 def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:

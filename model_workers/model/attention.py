@@ -33,13 +33,16 @@ class Indexer(nn.Module):
         self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden], q_resid [T, q_lora] -> (q [T, H_idx, D_idx], k [T, D_idx], weights [T, H_idx] fp32)."""
-        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)  # [T, H_idx, D_idx]
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_queries: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden], q_resid [T, q_lora] -> (q [T, H_idx, D_idx], k [T, D_idx], weights [T, H_idx] fp32);
+        without `with_queries` (the backend selects without scores) only k, the cached part, and (None, k, None)."""
         k = self.k_norm(self.wk(x))  # [T, D_idx]
-        q = torch.cat([self.rotate(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim :]], dim=-1)
         k = torch.cat([self.rotate(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim :]], dim=-1)
+        if not with_queries:
+            return None, k, None
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)  # [T, H_idx, D_idx]
+        q = torch.cat([self.rotate(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim :]], dim=-1)
         weights = self.weights_proj(x.float() if self.weights_proj.weight.dtype == torch.float32 else x)
         return q, k, weights.float() * self.weight_scale
 
@@ -85,7 +88,8 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             # Training (DSA recipe): the indexer learns only from its KL loss, so its inputs are detached.
             index_in, index_resid = (x.detach(), q_resid.detach()) if self.training else (x, q_resid)
-            index_q, index_k, index_w = self.indexer(index_in, index_resid, cos, sin)
+            scored = backend.needs_index_scores(layer_id, self.index_topk)  # else every query takes all its keys
+            index_q, index_k, index_w = self.indexer(index_in, index_resid, cos, sin, with_queries=scored)
         backend.store_kv(layer_id, latent, index_k)
         if self.indexer is not None:
             topk_ids = backend.select_topk(layer_id, index_q, index_w, self.index_topk)

@@ -29,12 +29,21 @@ class AttentionBackend(Protocol):
         (roped, normed indexer key) or None on layers that reuse another layer's top-k.
         """
 
-    def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
+    def needs_index_scores(self, layer_id: int, topk: int) -> bool:
+        """Whether `select_topk` of this layer needs the indexer's queries and weights. A backend answers False
+        only when its selection cannot depend on them (no query of the batch has more than `topk` causal keys,
+        so each takes all of them; or the layer reuses a recorded selection); the layer then skips their
+        projections and passes None for both."""
+
+    def select_topk(
+        self, layer_id: int, index_q: torch.Tensor | None, index_weights: torch.Tensor | None, topk: int
+    ) -> torch.Tensor:
         """Top-k keys per query by the lightning-indexer score, causal by global position, within the request.
 
         index_q [T, H_idx, D_idx] (roped); index_weights [T, H_idx] float32 (already scaled by H_idx^-0.5
-        and D_idx^-0.5 folded by the caller as documented in `indexer.py`). Returns key ids [T, k'] int64,
-        k' <= topk, -1 padded when a query has fewer causal keys than k'.
+        and D_idx^-0.5 folded by the caller as documented in `indexer.py`); both None when
+        `needs_index_scores` said False. Returns key ids [T, k'] int64, k' <= topk, -1 padded when a query has
+        fewer causal keys than k'. The caller only reads the result.
         """
 
     def attend(

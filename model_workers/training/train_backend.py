@@ -28,6 +28,9 @@ class TrainingBackend:
         if index_key is not None:
             self.index_keys[layer_id] = index_key  # [B*S, D_idx]
 
+    def needs_index_scores(self, layer_id: int, topk: int) -> bool:
+        return True  # the indexer learns from its scores (KL) on every batch
+
     def select_topk(self, layer_id: int, index_q: torch.Tensor, index_weights: torch.Tensor, topk: int) -> torch.Tensor:
         b, s = self.batch_size, self.seq_len
         q = index_q.float().view(b, s, *index_q.shape[1:])  # [B, S, H_idx, D_idx]
