@@ -66,7 +66,9 @@ def head():
         wait_for_gcs(process, ports["dashboard-port"], Path(temp_dir) / "head.log")
         yield {"address": f"127.0.0.1:{ports['port']}", "temp_dir": Path(temp_dir), **ports}
     finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the session of the `ray start` this fixture started
+        # The session of the `ray start` this fixture started. SIGINT: `ray start --block` stops its processes in
+        # about 2 s (SIGTERM took 34 s, measured).
+        os.killpg(process.pid, signal.SIGINT)
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
