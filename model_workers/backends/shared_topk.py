@@ -46,7 +46,7 @@ class SharedTopkBackend(TorchBackend):
     def select_topk(self, layer_id: int, index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
                     topk: int) -> torch.Tensor:
         if layer_id == self.layer_id and self.reuse is not None:
-            return self.reuse.to(index_q.device)
+            return self.reuse.to(self.batch.positions.device)  # index_q is None here (needs_index_scores)
         topk_slots = super().select_topk(layer_id, index_q, index_weights, topk)  # [T, k']
         if layer_id == self.layer_id:
             self.kept = topk_slots
