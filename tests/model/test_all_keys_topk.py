@@ -11,14 +11,9 @@ from model_workers.model.batch_invariant import BatchInvariantMode
 from model_workers.model.config import parse_model_config
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
+from support.tiny_models import BASE
 
-CONFIG = {
-    "model_type": "deepseek_v32", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "n_routed_experts": 4,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "q_lora_rank": 16,
-    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 4,
-    "index_head_dim": 16, "index_topk": 8, "tie_word_embeddings": True,
-}
+CONFIG = {**BASE, "model_type": "deepseek_v32", "tie_word_embeddings": True}  # index_topk 8
 TOPK = CONFIG["index_topk"]
 
 
