@@ -44,10 +44,12 @@ class TorchBackend:
         self.deterministic = deterministic
         self.batch: ForwardBatch | None = None
         self._all_keys: dict[int, torch.Tensor] = {}  # width -> `all_causal_keys` of the bound batch
+        self._max_keys = 0  # the bound batch's most keys of one request
 
     def bind(self, batch: ForwardBatch) -> "TorchBackend":
         self.batch = batch
         self._all_keys = {}
+        self._max_keys = max((len(s) for s in batch.key_slots), default=0)
         return self
 
     def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
@@ -60,10 +62,7 @@ class TorchBackend:
 
     def needs_index_scores(self, layer_id: int, topk: int) -> bool:
         """False when no request of the batch has more than `topk` keys: every query takes all its causal keys."""
-        return self._max_keys() > topk
-
-    def _max_keys(self) -> int:
-        return max((len(s) for s in self.batch.key_slots), default=0)
+        return self._max_keys > topk
 
     def select_topk(self, layer_id: int, index_q: torch.Tensor | None, index_weights: torch.Tensor | None,
                     topk: int) -> torch.Tensor:
@@ -72,10 +71,10 @@ class TorchBackend:
 
     def _select(self, layer_id: int, index_q, index_weights, topk: int) -> torch.Tensor:
         batch = self.batch
-        width = topk if self.deterministic else min(topk, self._max_keys())
+        width = topk if self.deterministic else min(topk, self._max_keys)
         if index_q is None:
-            if self._max_keys() > topk:
-                raise ValueError(f"layer {layer_id}: top-{topk} of up to {self._max_keys()} keys needs the indexer's "
+            if self._max_keys > topk:
+                raise ValueError(f"layer {layer_id}: top-{topk} of up to {self._max_keys} keys needs the indexer's "
                                  "queries (needs_index_scores is True), got None")
             if width not in self._all_keys:  # the same for every layer of the forward
                 self._all_keys[width] = all_causal_keys(batch, width)
