@@ -19,6 +19,7 @@ from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.tokenizer import load_tokenizer
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.training.corpus import HELD_OUT_EVERY, stdlib_files, token_stream
+from model_workers.training.recipe import Recipe
 
 CARD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", DRAFT_VOCAB_FILE)
 
@@ -79,7 +80,7 @@ def evaluate_and_write_card(model_dir: str | Path, train_log: dict) -> dict:
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     card = {"held_out": evaluate_held_out(model_dir), "training": train_log, "sha256": file_hashes(model_dir),
-            "index_topk": config["index_topk"]}
+            "index_topk": config["index_topk"], "num_hidden_layers": config["num_hidden_layers"]}
     (model_dir / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
     (model_dir / "MODEL_CARD.md").write_text(render_card(card))
     return card
@@ -89,11 +90,13 @@ def render_card(card: dict) -> str:
     held, train = card["held_out"], card["training"]
     metrics = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in held.items())
     hashes = "\n".join(f"| {k} | `{v}` |" for k, v in card["sha256"].items())
+    layers = card["num_hidden_layers"]
+    layers_flag = "" if layers == Recipe.num_hidden_layers else f" --layers {layers}"
     return f"""# dsa-serve tiny default model
 
 A small DeepSeek-V3.2-format (`deepseek_v32`) model with DSA sparse attention (lightning indexer, top-k
-{card['index_topk']}) and one MTP layer, trained on this machine from the Python standard library sources. It completes
-Python code; it exists so `make serve` shows CP prefill and speculative decoding on real text.
+{card['index_topk']}), {layers} decoder layers and one MTP layer, trained on this machine from the Python standard library
+sources. It completes Python code; it exists so `make serve` shows CP prefill and speculative decoding on real text.
 
 - Corpus: the running interpreter's stdlib `*.py` files (tests, idlelib, lib2to3,
   site-packages and the generated data tables of encodings/ and pydoc_data/ left out),
@@ -104,10 +107,10 @@ Python code; it exists so `make serve` shows CP prefill and speculative decoding
   first {int(train["recipe"]["dense_fraction"] * 100)}% with the indexer trained by KL divergence to the
   head-summed attention, then top-k sparse attention; MTP loss weight {train["recipe"]["mtp_weight"]}
   (recursive second step {train["recipe"]["mtp2_weight"]}); auxiliary-loss-free expert balancing.
-- Reproduce: `dsa-serve train-tiny --out DIR --steps {train["steps"]}` (seed {train["recipe"]["seed"]}).
+- Reproduce: `dsa-serve train-tiny --out DIR --steps {train["steps"]}{layers_flag}` (seed {train["recipe"]["seed"]}).
 - Draft vocabulary (`draft_vocab.json`): the {card["held_out"].get("draft_vocab_size")} most frequent training tokens;
   speculation drafts over them only (`--speculative-token-map`), verification reads the full vocabulary.
-- The MTP layer sits at `model.layers.4.*`; `transformers`' `DeepseekV32ForCausalLM` loads the checkpoint and
+- The MTP layer sits at `model.layers.{layers}.*`; `transformers`' `DeepseekV32ForCausalLM` loads the checkpoint and
   ignores it.
 
 ## Held-out evaluation (inference path: paged cache, sparse top-k)

@@ -24,10 +24,11 @@ class Recipe:
     mtp2_weight: float = 0.15  # second recursive MTP step
     balance_rate: float = 1e-3  # aux-loss-free MoE balancing: bias step per update
     draft_vocab_size: int = 1024  # the draft head's tokens: the most frequent of the training stream
+    num_hidden_layers: int = 4  # target decoder layers (one MTP layer rides on top)
     seed: int = 1234
 
 
-def tiny_config_json(vocab_size: int, eos_id: int) -> dict:
+def tiny_config_json(vocab_size: int, eos_id: int, num_hidden_layers: int = 4) -> dict:
     """A deepseek_v32 config small enough to train on 2 CPU cores, with one MTP layer.
 
     Its costs keep DeepSeek-V3.2's proportions where they matter for serving: many attention heads over one
@@ -41,7 +42,7 @@ def tiny_config_json(vocab_size: int, eos_id: int) -> dict:
         "hidden_size": 256,
         "intermediate_size": 768,
         "moe_intermediate_size": 256,
-        "num_hidden_layers": 4,
+        "num_hidden_layers": num_hidden_layers,
         "num_attention_heads": 16,
         "num_key_value_heads": 16,
         "n_routed_experts": 8,

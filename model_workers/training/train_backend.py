@@ -57,19 +57,16 @@ class TrainingBackend:
     def _dense_attend(self, layer_id: int, q_latent, q_pe, scale: float) -> torch.Tensor:
         b, s = self.batch_size, self.seq_len
         heads, latent_dim = q_latent.shape[1], q_latent.shape[2]
-        latent = self.latent[layer_id].view(b, s, -1)
-        c_kv, k_pe = latent[..., :latent_dim], latent[..., latent_dim:]  # [B, S, C], [B, S, R]
-        q_lat = q_latent.view(b, s, heads, latent_dim)
-        scores = torch.einsum("bqhc,bkc->bhqk", q_lat, c_kv) + torch.einsum(
-            "bqhr,bkr->bhqk", q_pe.view(b, s, heads, -1), k_pe
-        )  # [B, H, S, S]
-        scores = (scores.float() * scale).masked_fill(self.future, float("-inf"))
-        probs = scores.softmax(-1)
+        keys = self.latent[layer_id].view(b, s, -1)  # [B, S, C + R]: the latent and the rope key, side by side
+        queries = (torch.cat([q_latent, q_pe], dim=-1) * scale).view(b, s * heads, -1)  # [B, S*H, C + R]
+        scores = torch.bmm(queries, keys.transpose(1, 2)).float().view(b, s, heads, s)  # [B, S, H, S]
+        probs = scores.masked_fill(self.future[:, None, :], float("-inf")).softmax(-1)
         if layer_id in self.index_scores:
-            target = probs.detach().sum(1)  # [B, S, S] head-summed
+            target = probs.detach().sum(2)  # [B, S, S] head-summed
             self._add_kl(target / target.sum(-1, keepdim=True), self.index_scores.pop(layer_id))
-        out = torch.einsum("bhqk,bkc->bqhc", probs.to(c_kv.dtype), c_kv)  # [B, S, H, C]
-        return out.reshape(b * s, heads, latent_dim)
+        c_kv = keys[..., :latent_dim]  # [B, S, C]
+        out = torch.bmm(probs.to(c_kv.dtype).view(b, s * heads, s), c_kv)  # [B, S*H, C]
+        return out.view(b * s, heads, latent_dim)
 
     def _sparse_attend(self, layer_id: int, q_latent, q_pe, topk_ids, scale: float) -> torch.Tensor:
         latent = self.latent[layer_id]
