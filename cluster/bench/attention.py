@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from cluster.bench.common import spelled_command
+from cluster.bench.common import model_fingerprint, spelled_command
 from cluster.commands.args import add_dtype_argument, int_list
 from model_workers.precision import compute_dtype, storage_dtype
 
@@ -170,6 +170,7 @@ def run_attention(args: argparse.Namespace) -> int:
     crossover = crossover_length(runs)
     result = {
         "bench": "attention", "command": spelled_command("attention", args, ATTENTION_FLAGS), "model": str(model_dir),
+        "model_fingerprint": model_fingerprint(model_dir),
         "dtype": args.dtype, "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
         "device": "cpu", "index_topk": topk, "threads": args.threads, "repeats": args.repeats,
         "layer_id": layer_id, "inputs": INPUTS, "runs": runs, "crossover_length": crossover,

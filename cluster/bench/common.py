@@ -74,3 +74,16 @@ def window_offsets(total: int, count: int, length: int, flags: str) -> list[int]
 def cut_windows(stream: list[int], count: int, length: int, flags: str) -> list[list[int]]:
     """The windows of `window_offsets` cut from `stream`."""
     return [stream[start : start + length] for start in window_offsets(len(stream), count, length, flags)]
+
+
+def model_fingerprint(model_dir) -> dict:
+    """Which model a result was measured on, cheaply: config.json's depth and the weights' sha256 prefix as the
+    model card records it (None for a checkpoint without a card; hundreds of GB are not hashed here)."""
+    import json
+    from pathlib import Path
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    card_path = model_dir / "model_card.json"
+    sha = json.loads(card_path.read_text()).get("sha256", {}).get("model.safetensors") if card_path.is_file() else None
+    return {"num_hidden_layers": config.get("num_hidden_layers"), "weights_sha256": sha[:16] if sha else None}

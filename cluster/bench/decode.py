@@ -15,7 +15,7 @@ import copy
 import json
 import time
 
-from cluster.bench.common import PROMPTS, spelled_command
+from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
 from cluster.commands.args import add_deterministic_argument, add_dtype_argument, add_speculative_argument, int_list
 from cluster.config import MAX_SPECULATIVE_STEPS
 
@@ -164,6 +164,7 @@ def run_decode(args: argparse.Namespace) -> int:
         run["speedup_vs_first_k"] = run["tokens_per_s"] / base["tokens_per_s"]
     add_cost_model(runs)
     result = {"bench": "decode", "command": spelled_command("decode", args, DECODE_FLAGS), "model": str(model_dir),
+              "model_fingerprint": model_fingerprint(model_dir),
               "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "deterministic": args.enable_deterministic_inference, "rounds": args.rounds,
               "engine": "ray worker" if args.ray else "in-process worker", "formula": FORMULA,

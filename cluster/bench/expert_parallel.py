@@ -18,7 +18,7 @@ import os
 import time
 from collections import defaultdict
 
-from cluster.bench.common import PROMPTS, spelled_command
+from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
 from cluster.commands.args import add_dtype_argument, add_speculative_argument, int_list
 from cluster.config import MAX_SPECULATIVE_STEPS
 
@@ -250,6 +250,7 @@ def run_ep(args: argparse.Namespace) -> int:
     compute = str(compute_dtype(storage_dtype(args.dtype), "cpu")).removeprefix("torch.")
     result = {
         "bench": "ep", "command": spelled_command("ep", args, EP_FLAGS), "model": str(model_dir),
+        "model_fingerprint": model_fingerprint(model_dir),
         "machine": {"nproc": os.cpu_count(), "torch_threads_per_rank": EngineOptions().threads_per_worker,
                     "native_bf16": cpu_has_native_bf16(), "torch": torch.__version__, "backend": "gloo (loopback)"},
         "cp_size": args.cp_size, "ep_sizes": [1, args.cp_size], "cp_strategy": "zigzag", "cp_impl": "legacy",

@@ -92,7 +92,8 @@ def run_kv_cache(args: argparse.Namespace) -> int:
                        "tokens_per_gib": (2**30) // runs[name]["kv_bytes_per_token"]} for name in COMPARED}
     result = {
         "bench": "kv-cache", "command": spelled_command("kv-cache", args, KV_CACHE_FLAGS),
-        "model": model_dir.name, "dtype": args.dtype, "prompts": args.prompts, "prompt_len": args.prompt_len,
+        "model": model_dir.name, "model_fingerprint": model_fingerprint(model_dir),
+        "dtype": args.dtype, "prompts": args.prompts, "prompt_len": args.prompt_len,
         "greedy_reference": "bfloat16 KV cache; FP8 teacher-forced on its tokens",
         **compare(reference, fp8),
         "kv": by_dtype,

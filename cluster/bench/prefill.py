@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.common import spelled_command
+from cluster.bench.common import model_fingerprint, spelled_command
 from cluster.commands.args import (
     add_cp_arguments,
     add_deterministic_argument,
@@ -193,7 +193,8 @@ def run_prefill(args: argparse.Namespace) -> int:
     flop_setup = checkpoint_flop_config(model_dir), gemm_rates(cp.cp_size, 1)  # Ray is down: nothing else runs
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
-        "model": str(model_dir), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
+        "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
+        "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
         "deterministic": args.enable_deterministic_inference,
         "cpu_count": os.cpu_count(),
         "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "ep_size": cp.ep_size,

@@ -224,8 +224,19 @@ def meminfo_gib() -> float | None:
     return None
 
 
+def model_line(result: dict) -> str:
+    """Which model the result ran on, from its `model_fingerprint` (results from before it say so)."""
+    fingerprint = result.get("model_fingerprint")
+    if not fingerprint:
+        return "Model: not recorded in this result."
+    sha = fingerprint.get("weights_sha256")
+    return (f"Model: {fingerprint.get('num_hidden_layers')} decoder layers, weights sha256 "
+            f"{f'`{sha}`' if sha else 'not in a model card'}.")
+
+
 def result_section(name: str, result: dict, plots_dir: Path, out_dir: Path) -> list[str]:
-    lines = [f"### {result['bench']}: `{name}.json`", "", "```", result.get("command") or NO_COMMAND, "```", ""]
+    lines = [f"### {result['bench']}: `{name}.json`", "", "```", result.get("command") or NO_COMMAND, "```", "",
+             model_line(result), ""]
     try:
         lines += TABLES.get(result["bench"], generic_table)(result) + [""]
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a layout this report does not know

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.common import PROMPTS, spelled_command
+from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
 from cluster.bench.serve_long import add_long_arguments, resolve_workload
 from cluster.bench.serve_report import (  # plot: bench_plot "serve"
     DEFINITIONS,
@@ -118,6 +118,7 @@ def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], ht
                  baseline: dict) -> dict:
     return {
         "bench": "serve", "command": spelled_command("serve", args, SERVE_FLAGS), "model": str(model_dir),
+        "model_fingerprint": model_fingerprint(model_dir),
         "dtype": args.dtype, "device": args.device, "max_tokens": args.max_tokens,
         "prompt_tokens": [len(ids) for _, ids in prompts], "machine": machine(), "server": server_info(args, cp),
         "definitions": DEFINITIONS,

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cluster.bench.common import cut_windows, held_out_stream, spelled_command, window_offsets
+from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command, window_offsets
 from cluster.bench.serve_report import DEFINITIONS, assemble_run, machine, ratio
 from cluster.commands.args import int_list
 
@@ -183,7 +183,8 @@ def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels
     in_process = {"skipped": True, "reason": reason} if args.skip_in_process else {"skipped": False}
     return {
         "bench": "serve", "workload": "long", "command": spelled_command("serve", args, SERVE_FLAGS + LONG_FLAGS),
-        "model": str(model_dir), "dtype": args.dtype, "device": args.device, "max_tokens": args.max_tokens,
+        "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
+        "dtype": args.dtype, "device": args.device, "max_tokens": args.max_tokens,
         "prompt_lens": sorted(prompts["by_length"]), "concurrency": levels, "num_prompts": runs[0]["num_requests"],
         "prompts": {"source": "held-out stdlib files", "held_out_tokens": prompts["held_out_tokens"],
                     "offsets": prompts["offsets"]},

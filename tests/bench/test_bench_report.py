@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from cluster.bench.common import model_fingerprint
 from cluster.bench.plot import prefill_points, save_plot
 from cluster.bench.render import MATPLOTLIB_MISSING
 from cluster.cli import main
@@ -45,6 +46,7 @@ def decode_run(k, batch, tokens_per_s, overhead=0.1):
 
 
 DECODE = {"bench": "decode", "dtype": "bfloat16", "command": "dsa-serve bench decode --json",
+          "model_fingerprint": {"num_hidden_layers": 8, "weights_sha256": "0123456789abcdef"},
           "runs": [decode_run(0, 1, 10.0), decode_run(2, 1, 17.0), decode_run(0, 8, 50.0, overhead=0.2)]}
 
 
@@ -89,6 +91,8 @@ def test_report_tables_verdicts_and_plots(results_dir, tmp_path):
     assert "dsa-serve bench attention --lengths 64,128,256,512 --json" in text
     assert "records no command" in text  # the prefill JSON has none
     assert "broken.json: not JSON" in text
+    assert "Model: 8 decoder layers, weights sha256 `0123456789abcdef`." in text  # decode's fingerprint
+    assert "Model: not recorded in this result." in text  # the attention JSON has none
     for name in ("attention", "prefill_8k", "prefill_long", "decode"):
         png = tmp_path / "out" / "plots" / f"{name}.png"
         assert png.is_file() and png.stat().st_size > 1000
@@ -167,3 +171,14 @@ def test_a_result_after_ray_lines_on_stdout_is_read(tmp_path):
     results, skipped = load_results(tmp_path)
     assert [name for name, _ in results] == ["serve_x"]
     assert len(skipped) == 1 and skipped[0].startswith("junk.json: not JSON")
+
+
+def test_model_fingerprint_names_depth_and_the_cards_weights_hash(tmp_path):
+    from model_workers.checkpoint.model_dir import PACKAGED_MODEL_DIR
+
+    card = json.loads((PACKAGED_MODEL_DIR / "model_card.json").read_text())
+    config = json.loads((PACKAGED_MODEL_DIR / "config.json").read_text())
+    assert model_fingerprint(PACKAGED_MODEL_DIR) == {
+        "num_hidden_layers": config["num_hidden_layers"], "weights_sha256": card["sha256"]["model.safetensors"][:16]}
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))  # a checkpoint without a card
+    assert model_fingerprint(tmp_path) == {"num_hidden_layers": 3, "weights_sha256": None}
