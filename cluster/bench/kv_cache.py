@@ -13,7 +13,7 @@ import argparse
 import json
 import time
 
-from cluster.bench.common import cut_windows, held_out_stream, spelled_command
+from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command
 
 KV_CACHE_FLAGS = ("model", "prompts", "prompt_len", "max_tokens", "dtype")
 COMPARED = ("bfloat16", "fp8_e4m3")  # reference first
