@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from model_workers.model.batch_invariant import padded_rows
+from model_workers.model.topk_select import row_topk
 
 Decode = Callable[[torch.Tensor, torch.dtype], torch.Tensor]  # stored rows [..., W], dtype -> values [..., D]
 
@@ -122,7 +123,7 @@ def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int, stabl
     if stable:
         picked = earliest_topk(scores, width)  # [Tc, width]
     else:
-        picked = scores.topk(width, dim=-1).indices  # [Tc, width]
+        picked = row_topk(scores, width)[1]  # [Tc, width]
     if first_future < width:  # some query has fewer than `width` causal keys: -inf picks mean none
         picked = torch.where(torch.isinf(scores.gather(1, picked)), -1, picked)
     short = positions < width  # every causal key fits: take them all, in position order
@@ -136,7 +137,7 @@ def earliest_topk(scores: torch.Tensor, width: int) -> torch.Tensor:
     """The `width` largest of each row [Tc, K'], a tie at the k-th value going to the earliest keys; returned in
     key order [Tc, width]. Only the k-th value and counts are used, so trailing -inf keys (positions past the
     query) change nothing, and it costs a few passes over the row rather than a sort."""
-    kth = scores.topk(width, dim=-1).values[:, -1:]  # [Tc, 1] the k-th largest value
+    kth = row_topk(scores, width)[0].amin(dim=-1, keepdim=True)  # [Tc, 1] the k-th largest value
     above = scores > kth
     tied = scores == kth
     room = width - above.sum(-1, keepdim=True)  # [Tc, 1] tied keys to take
