@@ -135,12 +135,27 @@ def pick_causal(scores: torch.Tensor, positions: torch.Tensor, width: int, stabl
 
 def earliest_topk(scores: torch.Tensor, width: int) -> torch.Tensor:
     """The `width` largest of each row [Tc, K'], a tie at the k-th value going to the earliest keys; returned in
-    key order [Tc, width]. Only the k-th value and counts are used, so trailing -inf keys (positions past the
-    query) change nothing, and it costs a few passes over the row rather than a sort."""
-    kth = row_topk(scores, width)[0].amin(dim=-1, keepdim=True)  # [Tc, 1] the k-th largest value
+    key order [Tc, width]. Trailing -inf keys (positions past the query) change nothing.
+
+    Where the (k+1)-th largest value is below the k-th, the k largest are one set and only need ordering; the
+    rows where a key outside them ties with the k-th value (`tied_earliest`) take the tie rule.
+    """
+    if scores.shape[1] == width:
+        return torch.arange(width, device=scores.device).expand(scores.shape[0], width).clone()
+    values, columns = row_topk(scores, width + 1)  # [Tc, width + 1] largest first
+    picked = columns[:, :width].sort(dim=-1).values  # [Tc, width] key order
+    tie_rows = torch.nonzero(values[:, width] == values[:, width - 1]).flatten()  # rows whose set is not unique
+    if tie_rows.numel():
+        picked[tie_rows] = tied_earliest(scores[tie_rows], values[tie_rows, width - 1 : width], width)
+    return picked
+
+
+def tied_earliest(scores: torch.Tensor, kth: torch.Tensor, width: int) -> torch.Tensor:
+    """`earliest_topk` of rows [Tr, K'] whose k-th value kth [Tr, 1] is tied outside the top k: every key above
+    it, then the earliest tied keys until there are `width`; in key order [Tr, width]."""
     above = scores > kth
     tied = scores == kth
-    room = width - above.sum(-1, keepdim=True)  # [Tc, 1] tied keys to take
+    room = width - above.sum(-1, keepdim=True)  # [Tr, 1] tied keys to take
     chosen = above | (tied & (tied.cumsum(-1) <= room))  # exactly `width` per row
     return chosen.nonzero()[:, 1].view(scores.shape[0], width)
 

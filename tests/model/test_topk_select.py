@@ -4,7 +4,7 @@ two keys tie at the k-th value, and the causal selection built on it equals a na
 import torch
 
 from model_workers.model import topk_select
-from model_workers.model.sparse_ops import causal_topk, earliest_topk
+from model_workers.model.sparse_ops import causal_topk, earliest_topk, tied_earliest
 from model_workers.model.topk_select import kept_groups, row_topk
 from tests.model.test_sparse_topk import naive_topk, random_inputs
 
@@ -71,3 +71,14 @@ def test_earliest_topk_on_long_tied_rows_takes_the_earliest_keys():
     picked = earliest_topk(scores, 64)
     expected = torch.cat([torch.arange(54), torch.arange(7000, 7010)])
     assert all(row == expected.tolist() for row in picked.tolist())
+
+
+def test_earliest_topk_equals_the_tie_rule_on_every_row():
+    generator = torch.Generator().manual_seed(4)
+    for num_keys in (100, 4096 + 3):
+        distinct = torch.randn(64, num_keys, generator=generator)
+        coarse = torch.randint(0, 3, (64, num_keys), generator=generator).float()  # every row tied at the k-th
+        mixed = torch.where(torch.arange(64)[:, None] % 2 == 0, distinct, coarse)
+        for scores in (distinct, coarse, mixed):
+            kth = scores.topk(64, dim=-1).values[:, -1:]
+            assert torch.equal(earliest_topk(scores, 64), tied_earliest(scores, kth, 64))
