@@ -62,6 +62,6 @@ def kept_columns(places: torch.Tensor, groups: torch.Tensor, num_groups: int, nu
     """Places [R, k] in `kept_groups`' scores -> the columns [R, k] of the row they came from."""
     width = groups.shape[1]
     whole = num_keys - num_keys % num_groups
+    grouped_places = (whole // num_groups) * width  # places before the tail
     grouped = (places // width) * num_groups + groups.gather(1, places % width)  # [R, k]
-    in_tail = places >= (whole // num_groups) * width
-    return torch.where(in_tail, places - (whole // num_groups) * width + whole, grouped)
+    return torch.where(places >= grouped_places, places - grouped_places + whole, grouped)
