@@ -26,6 +26,7 @@ from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, fre
 from model_workers.cp_prefill import PrefillContext, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
+from model_workers.host_memory import bound_onednn_caches, release_free_heap
 from model_workers.kv_cache import PageTable
 from model_workers.load_progress import LoadProgress
 from model_workers.model.batch_invariant import BatchInvariantMode
@@ -38,6 +39,7 @@ class CPWorker:
     def __init__(self, cp_rank: int, cp_size: int, num_threads: int | None = 1):
         if num_threads is not None:  # None: keep the process's setting (an in-process worker)
             torch.set_num_threads(num_threads)
+        bound_onednn_caches()  # before this process's first matmul (host_memory.py)
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.comm: LocalComm = LocalComm()
@@ -121,6 +123,8 @@ class CPWorker:
                 raise RuntimeError(f"cp_rank {self.cp_rank} left the step: cp_rank(s) {rejected} rejected their plan")
         if problem is not None:
             raise RuntimeError(f"cp_rank {self.cp_rank} rejected its step plan: {problem}")
+        if plan.free and plan_is_idle(plan) and not self.held and not self.prefilling:
+            release_free_heap()  # its last requests just dropped, nothing to run: hand the freed heap to the OS
         try:
             with BatchInvariantMode() if self.runner.deterministic else nullcontext():
                 return self._step(plan)
@@ -260,6 +264,11 @@ class CPWorker:
             for item in plan.decode
         ]
         return run_decode(self.runner, states, plan.num_steps, plan.num_speculative_steps, plan.return_logits, clock)
+
+
+def plan_is_idle(plan: StepPlan) -> bool:
+    """A step that runs no forward on this rank (it only frees requests' state)."""
+    return plan.prefill is None and not plan.decode and not plan.group_prefill_rows and not plan.group_decode
 
 
 def plan_has_collectives(plan: StepPlan) -> bool:

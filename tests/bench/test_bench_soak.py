@@ -152,7 +152,10 @@ def test_short_soak_against_a_real_server(tmp_path):
     outcome, requests = result["verdict"], result["requests"]
     assert done.returncode == (0 if outcome["pass"] else 1)
     for name in LEAK_CHECKS:
-        assert outcome["checks"][name]["pass"], (name, outcome["checks"][name], requests["failure_notes"])
+        check = outcome["checks"][name]
+        failed = {k: v for k, v in check.get("per_process", {}).items() if not v["pass"]}  # rss: only who grew
+        assert check["pass"], (name, failed or check, requests["failure_notes"], result.get("rss_series", {}).get(
+            "summary_mib"))
     assert [p["name"] for p in result["phases"]] == ["warmup", "steady", "idle"]
     assert requests["total"] == sum(requests["by_outcome"].values()) == sum(requests["per_phase"].values()) > 0
     assert set(requests["by_kind"]) <= set(KINDS) and requests["by_outcome"].get("ok", 0) > 0
