@@ -30,6 +30,9 @@ class EngineLimits(BaseModel):
     page_size: int = Field(64, ge=1, description="tokens per KV page")
     max_num_seqs: int = Field(256, ge=1, description="requests running at once (prefilling or decoding)")
     max_num_batched_tokens: int = Field(2048, ge=2, description="prompt tokens per prefill step (the chunk)")
+    cp_min_prefill_tokens: int = Field(512, ge=0, description=(
+        "new prompt tokens a prefill step needs before it runs across the CP group; a smaller step runs whole on "
+        "one rank (no collectives), which is faster below a few hundred tokens (0: CP for every step that splits)"))
     max_queued_requests: int = Field(4096, ge=1, description="waiting requests before new ones get 503")
 
 

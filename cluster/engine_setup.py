@@ -39,6 +39,7 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"  # auto (keys in `dtype`), bfloat16, fp8_e4m3 (kv_format.py)
     max_model_len: int | None = None  # None: the model's window capped by one rank's KV room (`kv_room`)
     max_num_seqs: int = 256  # requests running at once
+    cp_min_prefill_tokens: int = 0  # a smaller prefill step of new prompts runs on one rank (0: CP whenever it splits)
     max_queued_requests: int = 4096  # waiting requests before new ones get EngineOverloadedError (503)
     deterministic: bool = False  # --enable-deterministic-inference: batch-invariant ranks (batch_invariant.py)
     speculative_token_map: str = "auto"  # the draft head's vocabulary: auto, none or a file (draft_vocab.py)
@@ -66,7 +67,7 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
     return Scheduler(SchedulerConfig(
         cp.cp_size, options.num_pages, options.page_size, options.prefill_token_budget, strategy, cp.impl,
         options.num_speculative_steps, options.max_steps_per_call, options.return_logits, cp.expert_parallel,
-        options.max_num_seqs,
+        options.max_num_seqs, options.cp_min_prefill_tokens,
     ))
 
 
@@ -85,7 +86,7 @@ def limit_options(model_dir, limits: EngineLimits, dtype: str, kv_cache_dtype: s
                               num_speculative_steps)
     return dict(num_pages=resolved.num_pages, page_size=resolved.page_size, max_model_len=resolved.max_model_len,
                 prefill_token_budget=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
-                max_queued_requests=limits.max_queued_requests)
+                max_queued_requests=limits.max_queued_requests, cp_min_prefill_tokens=limits.cp_min_prefill_tokens)
 
 
 def check_options_for_model(model_dir, cp: ResolvedCPConfig, options: EngineOptions) -> EngineOptions:

@@ -43,6 +43,7 @@ class SchedulerConfig:
     return_logits: bool = False  # ranks ship full-vocabulary logits back (tests, debugging)
     expert_parallel: bool = False  # ep_size = cp_size: every rank takes part in every forward (lockstep)
     max_num_seqs: int = 256  # requests admitted at once (prefilling or decoding); the rest wait
+    cp_min_prefill_tokens: int = 0  # a batch of fewer new prompt tokens runs on one rank (scheduler_prefill._place)
 
 
 @dataclass

@@ -85,10 +85,20 @@ def plan_prefill_batch(scheduler) -> PrefillBatch | None:
     return _place(scheduler, tuple(pieces))
 
 
+def uses_cp(cfg, pieces: tuple[Piece, ...]) -> bool:
+    """CP across all ranks when the batch splits and is worth it: at least `cp_min_prefill_tokens` tokens, or a
+    piece of a chunked prompt (every chunk of a chunked prompt runs across all ranks, which all hold its prefix)."""
+    lens = [p.extend_len for p in pieces]
+    if cfg.cp_size < 2 or not can_split(lens, cfg.cp_size, cfg.strategy):
+        return False
+    chunked = any(p.prefix_len > 0 or not p.final for p in pieces)
+    return chunked or sum(lens) >= cfg.cp_min_prefill_tokens
+
+
 def _place(scheduler, pieces: tuple[Piece, ...]) -> PrefillBatch:
-    """CP across all ranks when the batch splits, else the least loaded rank; owners; pages on every rank of it."""
+    """CP across all ranks (`uses_cp`), else the least loaded rank; owners; pages on every rank of it."""
     cfg = scheduler.config
-    use_cp = cfg.cp_size > 1 and can_split([p.extend_len for p in pieces], cfg.cp_size, cfg.strategy)
+    use_cp = uses_cp(cfg, pieces)
     load = [allocator.num_used for allocator in scheduler.allocators]
     ranks = tuple(range(cfg.cp_size)) if use_cp else (min(range(cfg.cp_size), key=lambda r: (load[r], r)),)
     owners = []

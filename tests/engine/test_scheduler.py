@@ -10,8 +10,9 @@ from cp_router.scheduler import Scheduler, SchedulerConfig
 from cp_router.scheduler_prefill import chunk_len
 
 
-def scheduler(num_pages: int = 32, cp_size: int = 2, k: int = 0, budget: int = 16) -> Scheduler:
-    return Scheduler(SchedulerConfig(cp_size, num_pages, 4, budget, "zigzag", "legacy", k, 4))
+def scheduler(num_pages: int = 32, cp_size: int = 2, k: int = 0, budget: int = 16, cp_min: int = 0) -> Scheduler:
+    return Scheduler(SchedulerConfig(cp_size, num_pages, 4, budget, "zigzag", "legacy", k, 4,
+                                     cp_min_prefill_tokens=cp_min))
 
 
 def outputs_for(step, token: int = 7, count: int = 1) -> dict:
@@ -66,6 +67,30 @@ def test_a_short_batch_runs_without_cp_on_one_rank():
     s.add("tiny", [1, 2, 3], SamplingParams(max_tokens=2))
     step = run_step(s)
     assert list(step.plans) == [0] and step.plans[0].prefill.meta.cp_size == 1
+
+
+def test_new_prompts_below_cp_min_prefill_tokens_run_whole_on_the_least_loaded_rank():
+    s = scheduler(budget=64, cp_min=24)
+    s.add("a", list(range(1, 11)), SamplingParams(max_tokens=2))
+    s.add("b", list(range(1, 9)), SamplingParams(max_tokens=2))
+    step = run_step(s)  # 18 new tokens < 24: one rank, no collectives
+    assert list(step.plans) == [0] and step.plans[0].prefill.meta.cp_size == 1
+    assert step.prefill.owners == (0, 0) and s.free_pages() == [32 - 3 - 2, 32]
+    s.add("c", list(range(1, 25)), SamplingParams(max_tokens=2))
+    step = s.schedule()  # 24 new tokens: across the group
+    assert set(step.plans) == {0, 1} and step.plans[0].prefill.meta.cp_size == 2
+
+
+def test_every_chunk_of_a_chunked_prompt_runs_across_the_group_whatever_its_size():
+    s = scheduler(budget=16, cp_min=1000)
+    s.add("long", list(range(1, 41)), SamplingParams(max_tokens=2))
+    for expected in [(0, 16), (16, 16), (32, 8)]:  # the last chunk (8 tokens) too: both ranks hold the prefix
+        step = run_step(s)
+        meta = step.plans[0].prefill.meta
+        assert set(step.plans) == {0, 1} and (meta.prefix_lens[0], meta.extend_lens[0]) == expected
+    s.add("short", list(range(1, 17)), SamplingParams(max_tokens=2))
+    step = s.schedule()  # a whole 16-token prompt alone: one rank
+    assert step.prefill.ranks == (1,) and step.plans[1].prefill.meta.cp_size == 1
 
 
 def test_admission_waits_for_pages_and_keeps_fcfs():

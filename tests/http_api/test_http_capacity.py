@@ -51,6 +51,21 @@ def test_serve_flags_reach_the_serve_args():
     assert (settings.max_num_seqs, settings.max_num_batched_tokens, settings.max_queued_requests) == (8, 512, 9)
 
 
+def test_cp_min_prefill_tokens_reaches_the_scheduler_from_the_flag_and_the_yaml():
+    from cluster.commands.serve import app_args
+    from cluster.config import ResolvedCPConfig
+    from cluster.engine_setup import scheduler_for
+    from cluster.serve_app import engine_options, validate_args
+    from model_workers.checkpoint.model_dir import resolve_model_dir
+
+    model_dir, cp = resolve_model_dir(None), ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
+    flagged = app_args(cli.build_parser().parse_args(["serve", "--cp-min-prefill-tokens", "0"]))
+    for settings, expected in [(flagged, 0), (validate_args({"cp_min_prefill_tokens": 96}), 96), (validate_args({}), 512)]:
+        assert scheduler_for(cp, engine_options(settings, model_dir)).config.cp_min_prefill_tokens == expected
+    with pytest.raises(ValueError, match="cp_min_prefill_tokens"):
+        validate_args({"cp_min_prefill_tokens": -1})
+
+
 async def sweep(app, cases: list[tuple[int, int | None]]) -> list[tuple[int, int | None, int, dict]]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as client:
         window = (await client.get("/v1/models")).json()["data"][0]["max_model_len"]
