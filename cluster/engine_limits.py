@@ -31,8 +31,9 @@ class EngineLimits(BaseModel):
     max_num_seqs: int = Field(256, ge=1, description="requests running at once (prefilling or decoding)")
     max_num_batched_tokens: int = Field(2048, ge=2, description="prompt tokens per prefill step (the chunk)")
     cp_min_prefill_tokens: int = Field(512, ge=0, description=(
-        "new prompt tokens a prefill step needs before it runs across the CP group; a smaller step runs whole on "
-        "one rank (no collectives), which is faster below a few hundred tokens (0: CP for every step that splits)"))
+        "new prompt tokens a prefill step needs before it runs across the CP group; in a smaller step each prompt "
+        "runs whole on the rank that will decode it, without collectives, which is faster below a few hundred "
+        "tokens (0: CP for every step that splits)"))
     max_queued_requests: int = Field(4096, ge=1, description="waiting requests before new ones get 503")
 
 

@@ -35,7 +35,7 @@ class EngineMonitor:
         self.times.observe_step(step, outputs, wall_s, self.metrics)
         if step.preempted:
             self.metrics.add_preemptions(len(step.preempted))
-        if step.prefill is not None and len(step.prefill.ranks) > 1:
+        if step.prefill is not None and step.prefill.cp:
             self.metrics.observe_cp_prefill(sum(r.comm_bytes for r in results), wall_s)
         self.record_gauges()
 

@@ -26,8 +26,9 @@ class Piece:
 @dataclass(frozen=True)
 class PrefillBatch:
     pieces: tuple[Piece, ...]
-    ranks: tuple[int, ...]  # ranks that run it: all of them under CP, else one
+    ranks: tuple[int, ...]  # ranks that run it: all of them under CP, else the owners, each its own pieces whole
     owners: tuple[int, ...]  # per piece
+    cp: bool = False  # every piece split across `ranks` (collectives), or each rank prefills what it owns alone
 
     def apply(self, scheduler, outputs: dict, new_tokens: dict[str, list[int]]) -> None:
         """Folds the owners' outputs of every piece: cached tokens, scored prompt logprobs (every chunk, in
@@ -96,31 +97,46 @@ def uses_cp(cfg, pieces: tuple[Piece, ...]) -> bool:
 
 
 def _place(scheduler, pieces: tuple[Piece, ...]) -> PrefillBatch:
-    """CP across all ranks (`uses_cp`), else the least loaded rank; owners; pages on every rank of it."""
+    """Owners (a new request: the least loaded rank) and pages: under CP (`uses_cp`) on every rank, which all
+    write the whole chunk's KV; else data parallel, each piece on its owner alone."""
     cfg = scheduler.config
     use_cp = uses_cp(cfg, pieces)
     load = [allocator.num_used for allocator in scheduler.allocators]
-    ranks = tuple(range(cfg.cp_size)) if use_cp else (min(range(cfg.cp_size), key=lambda r: (load[r], r)),)
     owners = []
     for piece in pieces:
         seq = scheduler.requests[piece.request_id]
         if seq.owner is None:
-            seq.owner = min(ranks, key=lambda r: (load[r], r))
+            seq.owner = min(range(cfg.cp_size), key=lambda r: (load[r], r))
             load[seq.owner] += pages_for(len(seq.context_ids()), cfg.page_size)
         owners.append(seq.owner)
         if piece.request_id in scheduler.waiting:
             scheduler.waiting.remove(piece.request_id)
         seq.status = PREFILLING
-        for cp_rank in ranks:  # every rank of the batch writes the whole chunk's KV
+        for cp_rank in range(cfg.cp_size) if use_cp else (seq.owner,):
             pages = seq.pages.setdefault(cp_rank, [])
             scheduler.allocators[cp_rank].grow(pages, piece.prefix_len + piece.extend_len, cfg.page_size)
-    return PrefillBatch(pieces, ranks, tuple(owners))
+    ranks = tuple(range(cfg.cp_size)) if use_cp else tuple(sorted(set(owners)))
+    return PrefillBatch(pieces, ranks, tuple(owners), use_cp)
 
 
 def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShard]:
-    """cp_rank -> its shard of the batch: its slice of the metadata, its token rows, its page tables."""
+    """cp_rank -> its shard: under CP its slice of the whole batch, else the pieces it owns, whole."""
+    if batch.cp:
+        return dict(zip(batch.ranks, _shards(scheduler, batch.pieces, batch.owners, batch.ranks)))
+    shards = {}
+    for cp_rank in batch.ranks:
+        mine = [i for i, owner in enumerate(batch.owners) if owner == cp_rank]
+        pieces, owners = tuple(batch.pieces[i] for i in mine), tuple(batch.owners[i] for i in mine)
+        shards[cp_rank] = _shards(scheduler, pieces, owners, (cp_rank,))[0]
+    return shards
+
+
+def _shards(scheduler, pieces: tuple[Piece, ...], owners: tuple[int, ...],
+            ranks: tuple[int, ...]) -> list[PrefillShard]:
+    """The shards of `pieces` split across `ranks` (CP when there are several): each its slice of the metadata,
+    its token rows, its page tables."""
     cfg, requests, chunks, next_after = scheduler.config, [], [], []
-    for piece, owner in zip(batch.pieces, batch.owners):
+    for piece, owner in zip(pieces, owners):
         seq = scheduler.requests[piece.request_id]
         context = seq.context_ids()
         end = piece.prefix_len + piece.extend_len
@@ -130,16 +146,15 @@ def build_prefill_batch(scheduler, batch: PrefillBatch) -> dict[int, PrefillShar
                                        seq.resume_token() if piece.final else None))
         chunks.append(context[piece.prefix_len : end])
         next_after.append(None if piece.final else context[end])
-    lens, prefixes = [p.extend_len for p in batch.pieces], [p.prefix_len for p in batch.pieces]
-    if len(batch.ranks) > 1:
-        meta = build_cp_metadata(lens, prefixes, cfg.cp_size, cfg.strategy, cfg.impl)
+    lens, prefixes = [p.extend_len for p in pieces], [p.prefix_len for p in pieces]
+    if len(ranks) > 1:
+        meta = build_cp_metadata(lens, prefixes, len(ranks), cfg.strategy, cfg.impl)
     else:
         meta = build_cp_metadata(lens, prefixes, 1, STRATEGY_INTERLEAVE, IMPL_LEGACY)
-    shards = {}
-    sharded = shard_tokens(chunks, meta, next_after)
-    for shard_index, (cp_rank, (ids_local, next_local)) in enumerate(zip(batch.ranks, sharded)):
-        tables = tuple(tuple(scheduler.requests[p.request_id].pages[cp_rank]) for p in batch.pieces)
-        shards[cp_rank] = PrefillShard(tuple(requests), meta.rank_view(shard_index), ids_local, next_local, tables)
+    shards = []
+    for shard_index, (cp_rank, (ids_local, next_local)) in enumerate(zip(ranks, shard_tokens(chunks, meta, next_after))):
+        tables = tuple(tuple(scheduler.requests[p.request_id].pages[cp_rank]) for p in pieces)
+        shards.append(PrefillShard(tuple(requests), meta.rank_view(shard_index), ids_local, next_local, tables))
     return shards
 
 

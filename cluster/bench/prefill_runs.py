@@ -31,9 +31,10 @@ class PrefillRecord:
         if step.prefill is None or all(p.request_id != self.request_id for p in step.prefill.pieces):
             return
         self.chunks += 1
-        self.cp_size_used = max(self.cp_size_used, len(step.prefill.ranks))
+        self.cp_size_used = max(self.cp_size_used, len(step.prefill.ranks) if step.prefill.cp else 1)
         for result in results:
-            if step.plans[result.cp_rank].prefill is not None:
+            shard = step.plans[result.cp_rank].prefill
+            if shard is not None and any(r.request_id == self.request_id for r in shard.requests):
                 self.per_rank.setdefault(result.cp_rank, []).append(result)
 
     def summary(self, wall_s: float) -> dict:

@@ -23,14 +23,14 @@ class Group:
         self.launched = launch_group(folder, CP, "float32", NUM_PAGES, PAGE_SIZE)
         self.folder = folder
 
-    def engine(self, folder, k: int, num_pages: int = NUM_PAGES) -> GenerationEngine:
+    def engine(self, folder, k: int, num_pages: int = NUM_PAGES, cp_min: int = 0) -> GenerationEngine:
         """An engine over the group's workers (checkpoint reloaded when another is asked); its scheduler may
         use fewer pages than the ranks' caches hold."""
         if folder != self.folder:
             ray.get([w.load.remote(str(folder), "float32", NUM_PAGES, PAGE_SIZE) for w in self.launched.workers])
             self.folder = folder
         options = EngineOptions(num_speculative_steps=k, num_pages=num_pages, page_size=PAGE_SIZE,
-                                prefill_token_budget=BUDGET)
+                                prefill_token_budget=BUDGET, cp_min_prefill_tokens=cp_min)
         return engine_over_workers(folder, CP, options, self.launched.workers)
 
     def held(self) -> list[list[str]]:
@@ -70,16 +70,39 @@ def test_greedy_speculation_equals_plain_decoding_on_cp2(group, models, model):
     assert [r["token_ids"] for r in plain] == [r["token_ids"] for r in alone]  # CP prefill: same tokens as C = 1
 
 
-def test_concurrent_requests_with_preemption_on_cp2(group, models):
+def test_short_prompts_prefilled_by_their_owners_side_by_side_keep_every_token(group, models):
+    folder = models["default"]
+    requests = make_requests([2, 5, 3, 6, 4, 3], 8, 6000, prompt_seed=9, temperature=0.0,  # 23 tokens: one batch
+                             ignore_eos=True)
+    lone = local_engine(folder, EngineOptions(num_pages=64, page_size=PAGE_SIZE))
+    alone = [run_all(lone, [req])[0]["token_ids"] for req in requests]
+    engine = group.engine(folder, 2, cp_min=10_000)
+    placements = []
+    engine.step_observers.append(lambda step, _: step.prefill and placements.append((step.prefill.cp,
+                                                                                      step.prefill.ranks)))
+    assert [r["token_ids"] for r in run_all(engine, requests)] == alone
+    assert placements and all(not cp for cp, _ in placements) and (False, (0, 1)) in placements
+    assert engine.free_pages == [NUM_PAGES, NUM_PAGES]
+    asyncio.run(engine.drain())
+    assert group.held() == [[], []]
+
+
+@pytest.mark.parametrize("cp_min", [0, 10_000])  # 10_000: every whole prompt is prefilled by its owner alone
+def test_concurrent_requests_with_preemption_on_cp2(group, models, cp_min):
     folder = models["default"]
     lens = [1 + (i * 29) % 70 for i in range(24)]
     requests = make_requests(lens, [3 + i % 6 for i in range(24)], 6000, prompt_seed=8, temperature=0.0,
                              ignore_eos=True)
     lone = local_engine(folder, EngineOptions(num_pages=64, page_size=PAGE_SIZE))
     alone = [run_all(lone, [req])[0]["token_ids"] for req in requests]
-    engine = group.engine(folder, 2, num_pages=12)  # 96 token slots per rank: preemption
+    engine = group.engine(folder, 2, num_pages=12, cp_min=cp_min)  # 96 token slots per rank: preemption
+    placements = []
+    engine.step_observers.append(lambda step, _: step.prefill and placements.append((step.prefill.cp,
+                                                                                      step.prefill.ranks)))
     assert [r["token_ids"] for r in run_all(engine, requests)] == alone
     assert engine.stats.preemptions > 0 and not engine.scheduler.requests
+    assert any(not cp for cp, _ in placements) if cp_min else all(cp for cp, ranks in placements if len(ranks) > 1)
+    assert any(cp for cp, _ in placements)  # chunked prompts still run across the group
     assert engine.free_pages == [12, 12]
     asyncio.run(engine.drain())
     assert group.held() == [[], []]

@@ -69,16 +69,20 @@ def test_a_short_batch_runs_without_cp_on_one_rank():
     assert list(step.plans) == [0] and step.plans[0].prefill.meta.cp_size == 1
 
 
-def test_new_prompts_below_cp_min_prefill_tokens_run_whole_on_the_least_loaded_rank():
+def test_new_prompts_below_cp_min_prefill_tokens_run_whole_each_on_its_owner():
     s = scheduler(budget=64, cp_min=24)
     s.add("a", list(range(1, 11)), SamplingParams(max_tokens=2))
     s.add("b", list(range(1, 9)), SamplingParams(max_tokens=2))
-    step = run_step(s)  # 18 new tokens < 24: one rank, no collectives
-    assert list(step.plans) == [0] and step.plans[0].prefill.meta.cp_size == 1
-    assert step.prefill.owners == (0, 0) and s.free_pages() == [32 - 3 - 2, 32]
+    step = run_step(s)  # 18 new tokens < 24: each rank prefills the prompt it owns, no collectives
+    assert not step.prefill.cp and step.prefill.owners == (0, 1) and step.prefill.ranks == (0, 1)
+    for cp_rank, request_id, length in [(0, "a", 10), (1, "b", 8)]:
+        shard = step.plans[cp_rank].prefill
+        assert shard.meta.cp_size == 1 and [r.request_id for r in shard.requests] == [request_id]
+        assert shard.token_ids_local.tolist() == list(range(1, length + 1))
+    assert s.free_pages() == [32 - 3, 32 - 2]  # pages on the owner only
     s.add("c", list(range(1, 25)), SamplingParams(max_tokens=2))
     step = s.schedule()  # 24 new tokens: across the group
-    assert set(step.plans) == {0, 1} and step.plans[0].prefill.meta.cp_size == 2
+    assert step.prefill.cp and set(step.plans) == {0, 1} and step.plans[0].prefill.meta.cp_size == 2
 
 
 def test_every_chunk_of_a_chunked_prompt_runs_across_the_group_whatever_its_size():
@@ -89,8 +93,8 @@ def test_every_chunk_of_a_chunked_prompt_runs_across_the_group_whatever_its_size
         meta = step.plans[0].prefill.meta
         assert set(step.plans) == {0, 1} and (meta.prefix_lens[0], meta.extend_lens[0]) == expected
     s.add("short", list(range(1, 17)), SamplingParams(max_tokens=2))
-    step = s.schedule()  # a whole 16-token prompt alone: one rank
-    assert step.prefill.ranks == (1,) and step.plans[1].prefill.meta.cp_size == 1
+    step = s.schedule()  # a whole 16-token prompt alone: on the least loaded rank
+    assert not step.prefill.cp and step.prefill.ranks == (1,) and step.plans[1].prefill.meta.cp_size == 1
 
 
 def test_admission_waits_for_pages_and_keeps_fcfs():

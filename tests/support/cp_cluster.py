@@ -137,9 +137,10 @@ class PrefillRun:
         self.cp_size_used = next(iter(shards.values())).meta.cp_size
         self.per_rank_logical_token = tuple(shards[r].meta.num_logical for r in sorted(shards))
         self.collective_rows = next(iter(shards.values())).meta.collective_rows
-        for s, (piece, owner) in enumerate(zip(step.prefill.pieces, step.prefill.owners)):
+        for piece, owner in zip(step.prefill.pieces, step.prefill.owners):
             self.owners[piece.request_id] = owner
             self.outputs[piece.request_id] = next(r.outputs[piece.request_id] for r in results if r.cp_rank == owner)
+            s = [r.request_id for r in shards[owner].requests].index(piece.request_id)  # in the owner's shard
             pages, tokens = shards[owner].page_tables[s], piece.prefix_len + piece.extend_len
             self.kv[piece.request_id] = await workers[owner].export_kv.remote(list(pages), tokens)
         self.held = list(await asyncio.gather(*[w.held_requests.remote() for w in workers]))

@@ -110,6 +110,20 @@ def test_speculation_is_lossless_under_ep(cluster, moe12, cp_size):
         assert_drained(engine)
 
 
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_prompts_prefilled_by_their_owners_side_by_side_under_ep(cluster, moe12, cp_size):
+    ref, folder = moe12
+    prompts = make_prompts([21, 5, 14, 33], seed=11)
+    _, plain = cp_prefill(cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size), prompts,
+                          max_tokens=10)
+    engine = cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size, num_speculative_steps=1,
+                            cp_min_prefill_tokens=10_000)  # no CP: each owner prefills its prompts, the rest join
+    run, results = cp_prefill(engine, prompts, max_tokens=10)
+    assert [r["token_ids"] for r in results] == [r["token_ids"] for r in plain]
+    assert run.cp_size_used == 1 and len(set(run.owners.values())) == min(cp_size, len(prompts))
+    assert_drained(engine)
+
+
 def test_ranks_without_requests_join_every_decode_step(cluster, moe12):
     ref, folder = moe12
     prompt = make_prompts([3], seed=4)[0]  # too short to split: one owner, the other ranks own nothing
