@@ -96,32 +96,21 @@ def test_greedy_decode_under_ep_matches_transformers(cluster, moe12, cp_size, st
 
 
 @pytest.mark.parametrize("cp_size", [2, 3])
-def test_speculation_is_lossless_under_ep(cluster, moe12, cp_size):
+def test_speculation_and_owner_prefill_are_lossless_under_ep(cluster, moe12, cp_size):
     ref, folder = moe12
     prompts = make_prompts([21, 5, 14, 33], seed=11)
     _, plain = cp_prefill(cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size), prompts,
                           max_tokens=10)
     assert plain[0]["token_ids"] == reference_greedy(ref, prompts[0], 10)
-    for k in (1, 2):
-        engine = cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size, num_speculative_steps=k)
-        _, results = cp_prefill(engine, prompts, max_tokens=10)
-        assert [r["token_ids"] for r in results] == [r["token_ids"] for r in plain], f"k={k}"
+    for k, cp_min in [(1, 0), (2, 0), (1, 10_000)]:  # 10_000: no CP, each owner prefills its prompts, the rest join
+        engine = cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size, num_speculative_steps=k,
+                                cp_min_prefill_tokens=cp_min)
+        run, results = cp_prefill(engine, prompts, max_tokens=10)
+        assert [r["token_ids"] for r in results] == [r["token_ids"] for r in plain], f"k={k}, cp_min={cp_min}"
         assert engine.stats.drafted > 0
+        if cp_min:
+            assert run.cp_size_used == 1 and len(set(run.owners.values())) == min(cp_size, len(prompts))
         assert_drained(engine)
-
-
-@pytest.mark.parametrize("cp_size", [2, 3])
-def test_prompts_prefilled_by_their_owners_side_by_side_under_ep(cluster, moe12, cp_size):
-    ref, folder = moe12
-    prompts = make_prompts([21, 5, 14, 33], seed=11)
-    _, plain = cp_prefill(cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size), prompts,
-                          max_tokens=10)
-    engine = cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size, num_speculative_steps=1,
-                            cp_min_prefill_tokens=10_000)  # no CP: each owner prefills its prompts, the rest join
-    run, results = cp_prefill(engine, prompts, max_tokens=10)
-    assert [r["token_ids"] for r in results] == [r["token_ids"] for r in plain]
-    assert run.cp_size_used == 1 and len(set(run.owners.values())) == min(cp_size, len(prompts))
-    assert_drained(engine)
 
 
 def test_ranks_without_requests_join_every_decode_step(cluster, moe12):
