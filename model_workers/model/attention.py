@@ -99,9 +99,11 @@ class MLAttention(nn.Module):
             raise ValueError(f"layer {layer_id} reuses top-k ('shared') but no earlier layer produced one")
 
         w_uk, w_uv = self._absorbed_weights()
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, kv_lora]
+        # per-head products as bmm over heads: the bits of einsum "thn,hnc->thc" / "thc,hvc->thv", without its
+        # dispatch (bf16 on CPU: 40 -> 26 us a call at T = 1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora]
         out_latent = backend.attend(layer_id, q_latent, q_pe, topk_ids, self.scale)  # [T, H, kv_lora]
-        out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]
+        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim)), topk_ids
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
