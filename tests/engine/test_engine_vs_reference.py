@@ -46,14 +46,18 @@ async def chunks_of(engine, request: EngineRequest) -> list:
 
 
 class ChunkWatch:
-    """Step observer: the prefill pieces that ran under CP with a cached prefix."""
+    """Step observer: the prefill pieces that ran under CP with a cached prefix, and the requests prefilled whole
+    by their owners (no CP)."""
 
     def __init__(self):
         self.prefixes: list[int] = []
+        self.by_owner: list[str] = []
 
     def __call__(self, step, results) -> None:
-        if step.prefill is not None and len(step.prefill.ranks) > 1:
+        if step.prefill is not None and step.prefill.cp:
             self.prefixes += [p.prefix_len for p in step.prefill.pieces if p.prefix_len > 0]
+        elif step.prefill is not None:
+            self.by_owner += [p.request_id for p in step.prefill.pieces]
 
 
 @pytest.mark.parametrize("strategy", ["zigzag", "interleave"])
@@ -110,14 +114,16 @@ def test_logprob_values_equal_the_reference_log_softmax(cluster, models, cp_size
             assert [v for _, v in lp.top] == pytest.approx(top_values, abs=1e-4)
 
 
-def test_prompt_logprobs_of_chunks_split_over_two_ranks_equal_the_reference(cluster, models):
+@pytest.mark.parametrize("cp_min", [0, 10_000])  # 10_000: whole prompts are prefilled by their owners alone
+def test_prompt_logprobs_of_chunks_split_over_two_ranks_equal_the_reference(cluster, models, cp_min):
     """Every rank holds the gathered hidden states; the owner scores each chunk's rows (the last row of a
     non-final chunk against the next chunk's first token) and the engine joins the chunks in order."""
     ref, folder = models["v32"]
-    engine = cluster.engine(2, folder, "interleave", "v2", prefill_token_budget=CHUNK, return_logits=False)
+    engine = cluster.engine(2, folder, "interleave", "v2", prefill_token_budget=CHUNK, return_logits=False,
+                            cp_min_prefill_tokens=cp_min)
     watch = ChunkWatch()
     engine.add_step_observer(watch)
-    prompts = make_prompts([40, 23, 9], seed=29)
+    prompts = make_prompts([40, 23, 9, 6, 7], seed=29)
     requests = [EngineRequest(f"p{i}", tuple(p), 3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
                 for i, p in enumerate(prompts)]
 
@@ -134,6 +140,7 @@ def test_prompt_logprobs_of_chunks_split_over_two_ranks_equal_the_reference(clus
             assert lp.logprob == pytest.approx(value, abs=1e-4)
             assert [v for _, v in lp.top] == pytest.approx(top_values, abs=1e-4)
     assert 16 in watch.prefixes and 32 in watch.prefixes  # chunks with a cached prefix ran split over both ranks
+    assert bool(watch.by_owner) == bool(cp_min)
 
 
 @pytest.mark.parametrize("model", ["v32", "v4"])
