@@ -151,9 +151,10 @@ def test_seeded_sampling_with_speculation_is_equal_at_c2_and_c1(cluster, models,
     requests = [EngineRequest(f"t{i}", tuple(p), 16, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True,
                               **penalties[i]) for i, p in enumerate(prompts)]
     alone = run_all(local_engine(folder, EngineOptions(num_speculative_steps=2, num_pages=64, page_size=8)), requests)
-    grouped = run_all(cluster.engine(2, folder, "interleave", "v2", num_speculative_steps=2, return_logits=False),
-                      requests)
-    assert [r["token_ids"] for r in grouped] == [r["token_ids"] for r in alone]
+    for cp_min in (0, 10_000):  # 10_000: each prompt prefilled whole by its owner, the two ranks side by side
+        grouped = run_all(cluster.engine(2, folder, "interleave", "v2", num_speculative_steps=2, return_logits=False,
+                                         cp_min_prefill_tokens=cp_min), requests)
+        assert [r["token_ids"] for r in grouped] == [r["token_ids"] for r in alone], f"cp_min={cp_min}"
     assert len({tuple(r["token_ids"]) for r in alone}) == len(requests)  # sampled, not one greedy path
 
 
