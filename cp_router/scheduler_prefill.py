@@ -151,8 +151,8 @@ def _shards(scheduler, pieces: tuple[Piece, ...], owners: tuple[int, ...],
         meta = build_cp_metadata(lens, prefixes, len(ranks), cfg.strategy, cfg.impl)
     else:
         meta = build_cp_metadata(lens, prefixes, 1, STRATEGY_INTERLEAVE, IMPL_LEGACY)
-    shards = []
-    for shard_index, (cp_rank, (ids_local, next_local)) in enumerate(zip(ranks, shard_tokens(chunks, meta, next_after))):
+    shards, sharded = [], shard_tokens(chunks, meta, next_after)
+    for shard_index, (cp_rank, (ids_local, next_local)) in enumerate(zip(ranks, sharded)):
         tables = tuple(tuple(scheduler.requests[p.request_id].pages[cp_rank]) for p in pieces)
         shards.append(PrefillShard(tuple(requests), meta.rank_view(shard_index), ids_local, next_local, tables))
     return shards

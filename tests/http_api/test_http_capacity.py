@@ -60,7 +60,8 @@ def test_cp_min_prefill_tokens_reaches_the_scheduler_from_the_flag_and_the_yaml(
 
     model_dir, cp = resolve_model_dir(None), ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
     flagged = app_args(cli.build_parser().parse_args(["serve", "--cp-min-prefill-tokens", "0"]))
-    for settings, expected in [(flagged, 0), (validate_args({"cp_min_prefill_tokens": 96}), 96), (validate_args({}), 512)]:
+    from_yaml = validate_args({"cp_min_prefill_tokens": 96})
+    for settings, expected in [(flagged, 0), (from_yaml, 96), (validate_args({}), 512)]:
         assert scheduler_for(cp, engine_options(settings, model_dir)).config.cp_min_prefill_tokens == expected
     with pytest.raises(ValueError, match="cp_min_prefill_tokens"):
         validate_args({"cp_min_prefill_tokens": -1})
