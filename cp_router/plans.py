@@ -39,9 +39,9 @@ class PrefillRequest:
 class PrefillShard:
     """One rank's share of a prefill batch.
 
-    `meta` is this rank's slice of the batch's CP metadata; `meta.cp_size == 1` is the non-CP path that the
-    owner runs alone, without collectives. Token rows are this rank's logical rows in local order.
-    `page_tables[s]` are this rank's pages of request s, covering its prefix and this chunk.
+    `meta` is this rank's slice of the batch's CP metadata; `meta.cp_size == 1` is the non-CP path: the owner
+    runs its own requests of the batch whole, without collectives. Token rows are this rank's logical rows in
+    local order. `page_tables[s]` are this rank's pages of request s, covering its prefix and this chunk.
     """
 
     requests: tuple[PrefillRequest, ...]

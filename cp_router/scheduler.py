@@ -4,9 +4,10 @@ Each step: (1) rank-side state of aborted, finished and preempted requests is dr
 every rank (the requests it owns), several steps per call when no prefill waits; a rank whose pages would run
 out first drops to one step, then preempts its newest request (pages freed, requeued for recompute); (3) one
 prefill batch, FCFS, bounded by the token budget and by the free pages of every rank, run with CP across all
-ranks (every rank holds every request of the batch) or, when too short to split, on the least loaded rank. A
-prompt longer than the budget is prefilled in chunks; a chunked piece is never shorter than the CP alignment,
-so every batch holding one is split across all ranks and every rank keeps its prefix.
+ranks (every rank holds every request of the batch) or, when too short to split or below
+`cp_min_prefill_tokens`, data parallel: each prompt whole on its owner (the least loaded rank), the owners side by
+side. A prompt longer than the budget is prefilled in chunks; a chunked piece is never shorter than the CP
+alignment, so every batch holding one is split across all ranks and every rank keeps its prefix.
 
 The scheduler owns the KV pages, one `PageAllocator` per rank (as nano-vllm's block manager does): it grows a
 request's pages before the step that writes them, trims them after it (speculative rollback), frees the
@@ -43,7 +44,7 @@ class SchedulerConfig:
     return_logits: bool = False  # ranks ship full-vocabulary logits back (tests, debugging)
     expert_parallel: bool = False  # ep_size = cp_size: every rank takes part in every forward (lockstep)
     max_num_seqs: int = 256  # requests admitted at once (prefilling or decoding); the rest wait
-    cp_min_prefill_tokens: int = 0  # a batch of fewer new prompt tokens runs on one rank (scheduler_prefill._place)
+    cp_min_prefill_tokens: int = 0  # a batch of fewer new prompt tokens runs data parallel (scheduler_prefill.uses_cp)
 
 
 @dataclass
