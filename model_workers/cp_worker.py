@@ -30,6 +30,7 @@ from model_workers.host_memory import bound_onednn_caches, release_free_heap
 from model_workers.kv_cache import PageTable
 from model_workers.load_progress import LoadProgress
 from model_workers.model.batch_invariant import BatchInvariantMode
+from model_workers.model.cpu_prepack import prepack_linear_weights
 from model_workers.phase_clock import PhaseClock
 from model_workers.precision import compute_dtype, storage_dtype
 from model_workers.runner import ModelRunner, make_backend
@@ -89,6 +90,7 @@ class CPWorker:
         progress.done(self.load_report.total_bytes)
         if model.num_mtp_layers:
             model.set_draft_vocab(resolve_token_map(speculative_token_map, model_dir, model.config.vocab_size))
+        prepacked = prepack_linear_weights(model)  # bf16 on a CPU with native bf16: oneDNN's layout, packed once
         self.exchange = ExpertExchange(self.comm, deterministic) if ep_size > 1 else None
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
                                   kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype,
@@ -98,7 +100,7 @@ class CPWorker:
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else None,
-                **self.weights_info()}
+                "prepacked_weights": prepacked, **self.weights_info()}
 
     def weights_info(self) -> dict:
         """What this rank holds: its routed experts, checkpoint bytes read (total and by weight class), and the

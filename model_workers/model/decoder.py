@@ -112,8 +112,15 @@ class DSAForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab] in float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, self.head_weight()).float()
+
+    def head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the LM head, or the embedding it is tied to."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        """A head tied to the embedding, which `linear` multiplies as a plain tensor (model/cpu_prepack.py)."""
+        return (self.head_weight(),) if self.lm_head is None else ()
 
     def mtp_forward(
         self,
@@ -156,9 +163,7 @@ class DSAForCausalLM(nn.Module):
     def mtp_head_weight(self, mtp_index: int = 0) -> torch.Tensor:
         """[vocab, hidden]: the MTP layer's own head, else the shared LM head."""
         mtp: MTPLayer = self.model.layers[self.config.num_hidden_layers + mtp_index]
-        if mtp.shared_head.head is not None:
-            return mtp.shared_head.head.weight
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return mtp.shared_head.head.weight if mtp.shared_head.head is not None else self.head_weight()
 
     def _mtp_normed(self, mtp_hidden: torch.Tensor, mtp_index: int) -> torch.Tensor:
         return self.model.layers[self.config.num_hidden_layers + mtp_index].shared_head.norm(mtp_hidden)

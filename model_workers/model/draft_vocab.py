@@ -30,6 +30,10 @@ class DraftVocab(nn.Module):
         self.register_buffer("token_ids", ids, persistent=False)
         self.register_buffer("weight", head_weight.detach()[ids].clone(), persistent=False)
 
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        """The head rows `linear` multiplies (model/cpu_prepack.py packs them)."""
+        return (self.weight,)
+
     @property
     def size(self) -> int:
         return int(self.token_ids.numel())

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_workers.model.config import ModelConfig
+from model_workers.model.cpu_prepack import packed_weight
 from model_workers.model.linear import Linear, linear
 
 
@@ -88,6 +89,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inner))
 
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        """The stacked weights `linear` multiplies expert by expert (model/cpu_prepack.py packs them)."""
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; expert_ids (global, -1 = none), weights [T, k] -> Σ over held experts [T, hidden], each
         row's experts added in expert-id order."""
@@ -120,8 +125,10 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = token_rows[start : start + count]
-            gate, up = linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = linear(swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])  # [n, hidden]
+            gate_up = linear(x[rows], self.gate_up_proj[expert], packed=packed_weight(self.gate_up_proj, expert))
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = linear(swiglu(gate, up, self.swiglu_limit), self.down_proj[expert],
+                       packed=packed_weight(self.down_proj, expert))  # [n, hidden]
             yield rows, order[start : start + count], (y * flat_weights[start : start + count, None]).to(x.dtype)
             start += count
 

@@ -21,11 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from model_workers.model.cpu_prepack import packed_linear, packed_weight
+
 FEW_ROWS_MAX = 4  # rows 2..FEW_ROWS_MAX take W @ x^T (measured: see the module docstring)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x [..., in], weight [out, in], bias [out]) -> [..., out]; a few float32 CPU rows as W @ x^T."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x [..., in], weight [out, in], bias [out]) -> [..., out]; a few float32 CPU rows as W @ x^T; a bf16
+    weight with a oneDNN-packed copy (`packed`, else the weight's own: model/cpu_prepack.py) through that copy."""
+    packed = packed if packed is not None else packed_weight(weight)
+    if packed is not None and _takes_packed_path(x):
+        return packed_linear(x, packed, bias)
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if not _takes_few_rows_path(x, weight, rows):
         return F.linear(x, weight, bias)
@@ -33,6 +40,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _takes_packed_path(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and _get_current_dispatch_mode() is None
 
 
 def _takes_few_rows_path(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
