@@ -39,7 +39,7 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"  # auto (keys in `dtype`), bfloat16, fp8_e4m3 (kv_format.py)
     max_model_len: int | None = None  # None: the model's window capped by one rank's KV room (`kv_room`)
     max_num_seqs: int = 256  # requests running at once
-    cp_min_prefill_tokens: int = 0  # a smaller prefill step of new prompts runs on one rank (0: CP whenever it splits)
+    cp_min_prefill_tokens: int = 0  # a smaller step of new prompts: each on its owner, no CP (0: CP whenever it splits)
     max_queued_requests: int = 4096  # waiting requests before new ones get EngineOverloadedError (503)
     deterministic: bool = False  # --enable-deterministic-inference: batch-invariant ranks (batch_invariant.py)
     speculative_token_map: str = "auto"  # the draft head's vocabulary: auto, none or a file (draft_vocab.py)
