@@ -28,13 +28,12 @@ ONEDNN_CACHE_CAPACITY = 256  # entries of each oneDNN cache (see the module docs
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
-def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:
-    """Sets both cache capacities to `capacity` unless the environment already names them; returns what holds.
+def bound_onednn_caches() -> None:
+    """Sets both cache capacities to ONEDNN_CACHE_CAPACITY unless the environment already names them.
 
     oneDNN and ideep read them when their cache is first used: call this before the process's first matmul."""
     for name in ONEDNN_CACHE_VARIABLES:
-        os.environ.setdefault(name, str(capacity))
-    return {name: os.environ[name] for name in ONEDNN_CACHE_VARIABLES}
+        os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
 
 
 @functools.lru_cache(maxsize=1)
