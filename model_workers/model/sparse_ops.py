@@ -45,26 +45,31 @@ KEY_BLOCK = 64  # deterministic inference: tiles are whole blocks (a score's bit
 
 def indexer_scores(
     index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor, decode: Decode = as_dtype,
-    fixed_tiles: bool = False,
+    fixed_tiles: bool = False, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """score[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s]) in float32, computed (and decoded) KEY_TILE keys at a time.
 
     index_q [Tc, H, D]; index_weights [Tc, H] (all scales folded in); keys [K, W] stored rows -> [Tc, K].
     `fixed_tiles` (deterministic inference): the last tile is zero-padded to whole KEY_BLOCKs and the query rows
     to MIN_ROWS, so a score's bits depend neither on how many keys the request has nor on the queries beside it.
+    `out`: a [Tc, K] float32 tensor to write the scores into (default: a new one).
     """
     num_rows, num_heads, dim = index_q.shape
     q_flat = index_q.float().reshape(num_rows * num_heads, dim)  # [Tc*H, D]
     if fixed_tiles:
         q_flat, _ = padded_rows(q_flat)  # at least MIN_ROWS rows: the product's bits do not depend on Tc
     weights = index_weights.float()  # [Tc, H]
-    out = torch.empty(num_rows, keys.shape[0], dtype=torch.float32, device=keys.device)
+    if out is None:
+        out = torch.empty(num_rows, keys.shape[0], dtype=torch.float32, device=keys.device)
+    workspace = q_flat.new_empty(q_flat.shape[0] * min(KEY_TILE, -(-keys.shape[0] // KEY_BLOCK) * KEY_BLOCK))
     for start in range(0, keys.shape[0], KEY_TILE):
         block = decode(keys[start : start + KEY_TILE], torch.float32)  # [Kb, D]
         count = block.shape[0]
         if fixed_tiles and count % KEY_BLOCK:
             block = torch.cat([block, block.new_zeros(KEY_BLOCK - count % KEY_BLOCK, block.shape[1])])
-        dots = torch.matmul(q_flat, block.t())[: num_rows * num_heads].clamp_min_(0).view(num_rows, num_heads, -1)
+        dots = workspace[: q_flat.shape[0] * block.shape[0]].view(q_flat.shape[0], block.shape[0])  # [Tc*H, Kb]
+        torch.mm(q_flat, block.t(), out=dots)  # into one reused tile: a new one each time costs page faults
+        dots = dots[: num_rows * num_heads].clamp_min_(0).view(num_rows, num_heads, -1)  # [Tc, H, Kb]
         head_weighted_sum(dots[..., :count], weights, out[:, start : start + count])
     return out
 
@@ -102,12 +107,15 @@ def causal_topk(
     width = min(topk, num_keys)
     out = torch.full((index_q.shape[0], width), -1, dtype=torch.long, device=keys.device)
     chunk = min(QUERY_TILE, rows_per_chunk(num_keys * 4, budget_bytes))  # scores [chunk, K] fp32 in budget
+    # one score buffer for every chunk: a fresh one each time costs its page faults again (11% of the time)
+    buffer = torch.empty(min(chunk, index_q.shape[0]) * num_keys, dtype=torch.float32, device=keys.device)
     for start in range(0, index_q.shape[0], chunk):
         rows = slice(start, start + chunk)
         positions = query_positions[rows]
         visible = min(num_keys, int(positions.max()) + 1)  # keys past the chunk's last query never count
-        scores = indexer_scores(index_q[rows], index_weights[rows], keys[:visible], decode,
-                                fixed_tiles=deterministic)  # [Tc, K']
+        scores = buffer[: positions.shape[0] * visible].view(positions.shape[0], visible)  # [Tc, K'] contiguous
+        indexer_scores(index_q[rows], index_weights[rows], keys[:visible], decode, fixed_tiles=deterministic,
+                       out=scores)
         out[rows, : min(width, visible)] = pick_causal(scores, positions, width, stable=deterministic)
     return out
 

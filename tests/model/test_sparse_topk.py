@@ -66,3 +66,22 @@ def test_indexer_scores_over_several_key_tiles_equal_the_formula():
     index_w[:, 0] = -index_w[:, 0]  # negative head weights are allowed
     expected = (torch.einsum("thd,kd->thk", index_q, keys).clamp_min(0) * index_w[:, :, None]).sum(1)  # [T, K]
     torch.testing.assert_close(indexer_scores(index_q, index_w, keys), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_score_buffers_reused_across_chunks_and_tiles_keep_the_scores():
+    """causal_topk writes every chunk's scores into one buffer and every key tile's products into one workspace:
+    a later, shorter chunk must not see an earlier chunk's scores, nor a partial tile a full tile's products."""
+    from model_workers.model.sparse_ops import KEY_TILE, QUERY_TILE
+
+    generator = torch.Generator().manual_seed(3)
+    num_keys = KEY_TILE + 333  # two key tiles, the second partial (and not whole 64-key blocks)
+    index_q, index_w, keys = random_inputs(2 * QUERY_TILE + 5, num_keys, generator)
+    late = torch.arange(num_keys - QUERY_TILE - 5, num_keys)
+    positions = torch.cat([late, torch.arange(QUERY_TILE)])  # long chunks, then short ones
+    for deterministic in (False, True):
+        got = causal_topk(index_q, index_w, keys, positions, 16, deterministic=deterministic)
+        expected = naive_topk(index_q, index_w, keys, positions, 16)
+        assert torch.equal(got.sort(-1).values, expected.sort(-1).values)
+    into = torch.full((3, num_keys), float("nan"))
+    indexer_scores(index_q[:3], index_w[:3], keys, out=into)
+    assert torch.equal(into, indexer_scores(index_q[:3], index_w[:3], keys))
