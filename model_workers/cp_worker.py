@@ -26,7 +26,7 @@ from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, fre
 from model_workers.cp_prefill import PrefillContext, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
-from model_workers.host_memory import bound_onednn_caches, release_free_heap
+from model_workers.host_memory import bound_onednn_caches, keep_large_allocations_on_heap, release_free_heap
 from model_workers.kv_cache import PageTable
 from model_workers.load_progress import LoadProgress
 from model_workers.model.batch_invariant import BatchInvariantMode
@@ -41,6 +41,7 @@ class CPWorker:
         if num_threads is not None:  # None: keep the process's setting (an in-process worker)
             torch.set_num_threads(num_threads)
         bound_onednn_caches()  # before this process's first matmul (host_memory.py)
+        keep_large_allocations_on_heap()
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.comm: LocalComm = LocalComm()

@@ -10,7 +10,7 @@ import sys
 
 from cp_router.plans import DecodeItem, StepPlan
 from model_workers.cp_worker import plan_is_idle
-from model_workers.host_memory import ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES
+from model_workers.host_memory import MALLOC_VARIABLES, ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES
 
 NEW_SHAPES = """
 import ctypes, json, sys
@@ -67,3 +67,42 @@ def test_only_a_step_without_forwards_is_idle():
     assert not plan_is_idle(StepPlan(group_decode=True))
     assert not plan_is_idle(StepPlan(group_prefill_rows=(3, 0)))
 
+
+
+LARGE_ALLOCATION = """
+import ctypes, json, sys
+import torch
+from model_workers.host_memory import keep_large_allocations_on_heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                "keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+applied = keep_large_allocations_on_heap() if sys.argv[1] == "set" else None
+before = libc.mallinfo2().hblkhd
+block = torch.ones(2 * 2**20)  # 8 MiB
+print(json.dumps({"applied": applied, "mapped_mib": (libc.mallinfo2().hblkhd - before) / 2**20}))
+"""
+
+
+def large_allocation(mode: str, env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", LARGE_ALLOCATION, mode], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_rank_serves_tensors_of_a_few_mib_from_the_heap():
+    """glibc's default maps an 8 MiB tensor afresh from the OS (and page-faults it again after every free); with
+    the rank's settings it comes from the heap and is reused."""
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_VARIABLES}
+    assert large_allocation("default", env)["mapped_mib"] >= 8
+    assert large_allocation("set", env) == {"applied": True, "mapped_mib": 0}
+
+
+def test_an_operator_malloc_setting_wins():
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    kept = large_allocation("set", env)
+    assert kept["applied"] is False and kept["mapped_mib"] >= 8
