@@ -52,11 +52,11 @@ def pack_weight(weight: torch.Tensor) -> bool:
     if not packable(weight) or weight.dim() not in (2, 3):
         return False
     packed = _pack(weight) if weight.dim() == 2 else tuple(_pack(w) for w in weight)
-    setattr(weight, PACKED_ATTR, (packed, _version(weight)))
+    setattr(weight, PACKED_ATTR, (packed, weight_version(weight)))
     return True
 
 
-def _version(weight: torch.Tensor) -> int:
+def weight_version(weight: torch.Tensor) -> int:
     """The weight's in-place change counter (inference tensors keep none: -1)."""
     return -1 if weight.is_inference() else weight._version
 
@@ -64,7 +64,7 @@ def _version(weight: torch.Tensor) -> int:
 def packed_weight(weight: torch.Tensor, expert: int | None = None) -> torch.Tensor | None:
     """The packed copy of `weight` (of stacked weight's `expert`), None if none or the weight changed since."""
     entry = getattr(weight, PACKED_ATTR, None)
-    if entry is None or entry[1] != _version(weight):
+    if entry is None or entry[1] != weight_version(weight):
         return None
     return entry[0] if expert is None else entry[0][expert]
 
