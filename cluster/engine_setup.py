@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import ResolvedCPConfig, check_speculative_steps
-from cluster.engine_limits import EngineLimits, kv_room, resolve_limits
+from cluster.engine_limits import EngineLimits, kv_room, prefill_chunk_tokens, resolve_limits
 from cluster.launch import CPGroup, launch_group
 from cluster.local_worker import InProcessWorker
 from cluster.rank_repair import RayRankRepair
@@ -31,7 +31,7 @@ class EngineOptions:
     num_pages: int = 256  # per rank
     page_size: int = 64
     num_speculative_steps: int = 0
-    prefill_token_budget: int = 2048  # the prefill chunk: tokens of one prefill batch
+    prefill_token_budget: int | None = None  # the prefill chunk, tokens of one prefill batch (None: 2048 per rank)
     max_steps_per_call: int = 4
     use_gpu: bool | None = None
     threads_per_worker: int = 1
@@ -61,11 +61,12 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
         raise ValueError(f"cp_size={cp.cp_size} needs prefill CP enabled")
     strategy = cp.strategy or "zigzag"
     align = cp_alignment(strategy, cp.cp_size)
-    if options.prefill_token_budget < 2 * align:
-        raise ValueError(f"prefill_token_budget must be >= {2 * align} (twice the CP alignment), "
-                         f"got {options.prefill_token_budget}")
+    budget = prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)
+    if budget < 2 * align:
+        raise ValueError(f"prefill_token_budget (--max-num-batched-tokens) must be >= {2 * align} (twice the CP "
+                         f"alignment), got {budget}")
     return Scheduler(SchedulerConfig(
-        cp.cp_size, options.num_pages, options.page_size, options.prefill_token_budget, strategy, cp.impl,
+        cp.cp_size, options.num_pages, options.page_size, budget, strategy, cp.impl,
         options.num_speculative_steps, options.max_steps_per_call, options.return_logits, cp.expert_parallel,
         options.max_num_seqs, options.cp_min_prefill_tokens,
     ))

@@ -2,8 +2,8 @@
 
 Per length L, three CP groups prefill the same random prompt (one output token): C = 1 with 1 thread, C = 1
 with C threads (the same cores as the CP run) and C ranks with 1 thread each. Each group is driven by the
-engine twice: the served path (the prompt chunked into prefill batches of `prefill_chunk_tokens`, as `serve`
-runs it; the headline numbers) and one unchunked batch (`one_batch`). Reported: strong-scaling efficiency
+engine twice: the served path (the prompt chunked into prefill batches of serve's default, 2048 tokens per CP rank,
+as `serve` runs it; the headline numbers) and one unchunked batch (`one_batch`). Reported: strong-scaling efficiency
 T(C=1, 1 thread) / (C · T(C)), equal-cores ratio T(C=1, C threads) / T(C), per-rank compute and its imbalance
 (measured, and the causal-work model for zigzag / interleave / a contiguous split), the time split per phase,
 KV gather bytes next to the formula, peak RSS per rank and KV bytes per token.
@@ -42,7 +42,8 @@ V4_TOKEN_FORMULA = "(CSA layers * (head_dim + index_head_dim) / 4 + HCA layers *
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
 PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "kv_cache_dtype",
                  "repeats", "skip_equal_cores", "enable_deterministic_inference")
-PATHS = {"served": "the prompt in chunks of prefill_chunk_tokens, one engine step each (what serve runs)",
+PATHS = {"served": "the prompt in chunks of serve's default, one engine step each (what serve runs): 2048 tokens "
+                   "per CP rank, so prefill_chunk_tokens (the CP group's) at C ranks and 2048 at C = 1",
          "one_batch": "the whole prompt as one prefill batch (one engine step)"}
 
 
@@ -96,6 +97,7 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
     import ray
 
     from cluster.bench.prefill_runs import served_and_one_batch
+    from cluster.engine_limits import prefill_chunk_tokens
     from cluster.engine_setup import EngineOptions
     from cluster.launch import launch_group
     from cp_router.cp.padding import ceil_div
@@ -110,7 +112,7 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
         timed = served_and_one_batch(model_dir, cp, group.workers, options, prompts, repeats, paths)
         kv_per_token = ray.get(group.workers[0].kv_bytes_per_token.remote())
         return {"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": timed, "kv_bytes_per_token": kv_per_token,
-                "prefill_chunk_tokens": options.prefill_token_budget}
+                "prefill_chunk_tokens": prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)}
     finally:
         group.shutdown()
 

@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field, replace
 
+from cluster.engine_limits import prefill_chunk_tokens
 from cluster.engine_setup import EngineOptions, collect, engine_over_workers
 from cp_router.cp.balance import max_over_mean
 from cp_router.plans import StepResult
@@ -74,10 +75,10 @@ def time_prefills(engine, prompt: list[int], repeats: int, tag: str) -> dict:
 
 def served_and_one_batch(model_dir, cp, workers, options: EngineOptions, prompts: dict[int, list[int]],
                          repeats: int, paths: tuple[str, ...] = ("served", "one_batch")) -> dict[str, dict[int, dict]]:
-    """Per path of `paths` ("served": chunks of options.prefill_token_budget; "one_batch": the whole prompt in one
+    """Per path of `paths` ("served": chunks of `prefill_chunk_tokens`, as served; "one_batch": the whole prompt in one
     step), per length: `time_prefills`, after an untimed warm-up of each path."""
-    longest = max(prompts)
-    budgets = {"served": options.prefill_token_budget, "one_batch": max(longest, options.prefill_token_budget)}
+    longest, served = max(prompts), prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)
+    budgets = {"served": served, "one_batch": max(longest, served)}
     out = {}
     for path in paths:
         budget = budgets[path]

@@ -51,10 +51,10 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
     assert bench["kv_by_dtype"]["fp8_capacity_gain"] == round(bf16["kv_bytes_per_token"] / fp8["kv_bytes_per_token"], 4)
     assert bench["measured_kv_bytes_per_token"] == bench["formula_kv_bytes_per_token"]
     assert [e["prompt_len"] for e in bench["lengths"]] == [64, 2100]
-    assert bench["prefill_chunk_tokens"] == 2048 and set(bench["paths"]) == {"served", "one_batch"}
-    for entry in bench["lengths"]:  # the served path chunks as `serve` does; one batch is one step
-        chunks = -(-entry["prompt_len"] // 2048)
-        assert entry["chunks"] == chunks and [r["chunks"] for r in entry["runs"]] == [chunks] * 3
+    assert bench["prefill_chunk_tokens"] == 2 * 2048 and set(bench["paths"]) == {"served", "one_batch"}
+    for entry in bench["lengths"]:  # the served path chunks as `serve` does (2048 per rank); one batch is one step
+        one_rank, two_ranks = -(-entry["prompt_len"] // 2048), -(-entry["prompt_len"] // 4096)
+        assert entry["chunks"] == two_ranks and [r["chunks"] for r in entry["runs"]] == [one_rank, one_rank, two_ranks]
         assert entry["one_batch"]["chunks"] == 1 and [r["chunks"] for r in entry["one_batch"]["runs"]] == [1] * 3
         assert entry["one_batch"]["measured_kv_bytes_per_rank"] == entry["formula_kv_bytes_per_rank"]
         assert entry["one_batch"]["strong_scaling_efficiency"] == pytest.approx(

@@ -67,6 +67,25 @@ def test_cp_min_prefill_tokens_reaches_the_scheduler_from_the_flag_and_the_yaml(
         validate_args({"cp_min_prefill_tokens": -1})
 
 
+def test_the_prefill_chunk_is_2048_tokens_per_cp_rank_unless_set():
+    from cluster.commands.serve import app_args
+    from cluster.config import ResolvedCPConfig
+    from cluster.engine_setup import scheduler_for
+    from cluster.serve_app import engine_options, validate_args
+
+    model_dir = resolve_model_dir(None)
+    flagged = app_args(cli.build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024"]))
+    for cp_size in (1, 2, 3):
+        cp = ResolvedCPConfig(enabled=cp_size > 1, cp_size=cp_size, strategy="zigzag" if cp_size > 1 else None,
+                              impl="legacy")
+        chunk = {name: scheduler_for(cp, engine_options(settings, model_dir)).config.prefill_token_budget
+                 for name, settings in [("default", validate_args({})), ("flag", flagged),
+                                        ("yaml", validate_args({"max_num_batched_tokens": 640}))]}
+        assert chunk == {"default": 2048 * cp_size, "flag": 1024, "yaml": 640}
+    assert scheduler_for(ResolvedCPConfig(enabled=False, cp_size=1, strategy=None, impl="legacy"),
+                         EngineOptions()).config.prefill_token_budget == 2048
+
+
 async def sweep(app, cases: list[tuple[int, int | None]]) -> list[tuple[int, int | None, int, dict]]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as client:
         window = (await client.get("/v1/models")).json()["data"][0]["max_model_len"]
