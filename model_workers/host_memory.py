@@ -36,7 +36,7 @@ ONEDNN_CACHE_CAPACITY = 256  # entries of each oneDNN cache (see the module docs
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 MMAP_THRESHOLD_BYTES = 32 * 2**20  # allocations up to this come from the heap (glibc's maximum on 64-bit)
 TRIM_THRESHOLD_BYTES = 64 * 2**20  # free heap top kept before glibc returns it
-MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # and GLIBC_TUNABLES' glibc.malloc.*
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
@@ -52,7 +52,8 @@ def keep_large_allocations_on_heap() -> bool:
     """Sets glibc's mmap and trim thresholds (module docstring) unless the environment names malloc settings;
     True if set, False if left to the operator or there is no glibc `mallopt`."""
     mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
-    if mallopt is None or any(name in os.environ for name in MALLOC_VARIABLES):
+    operator_set = any(name in os.environ for name in MALLOC_VARIABLES)
+    if mallopt is None or operator_set or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     mapped = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     return bool(mapped) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
