@@ -51,8 +51,7 @@ def pack_weight(weight: torch.Tensor) -> bool:
     """Packs a [out, in] weight, or a stacked [E, out, in] one expert by expert; False if it cannot be."""
     if not packable(weight) or weight.dim() not in (2, 3):
         return False
-    packed = _pack(weight) if weight.dim() == 2 else tuple(_pack(w) for w in weight)
-    setattr(weight, PACKED_ATTR, (packed, weight_version(weight)))
+    hang_copy(weight, PACKED_ATTR, _pack(weight) if weight.dim() == 2 else tuple(_pack(w) for w in weight))
     return True
 
 
@@ -61,12 +60,21 @@ def weight_version(weight: torch.Tensor) -> int:
     return -1 if weight.is_inference() else weight._version
 
 
+def hang_copy(weight: torch.Tensor, attr: str, copy) -> None:
+    """Keeps `copy`, something derived from `weight`, on the weight under `attr` with the weight's version."""
+    setattr(weight, attr, (copy, weight_version(weight)))
+
+
+def current_copy(weight: torch.Tensor, attr: str):
+    """What `hang_copy` kept under `attr`, or None if nothing or the weight changed in place since."""
+    entry = getattr(weight, attr, None)
+    return entry[0] if entry is not None and entry[1] == weight_version(weight) else None
+
+
 def packed_weight(weight: torch.Tensor, expert: int | None = None) -> torch.Tensor | None:
     """The packed copy of `weight` (of stacked weight's `expert`), None if none or the weight changed since."""
-    entry = getattr(weight, PACKED_ATTR, None)
-    if entry is None or entry[1] != weight_version(weight):
-        return None
-    return entry[0] if expert is None else entry[0][expert]
+    packed = current_copy(weight, PACKED_ATTR)
+    return packed if packed is None or expert is None else packed[expert]
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from model_workers.model.config import ModelConfig
-from model_workers.model.cpu_prepack import packed_weight, weight_version
+from model_workers.model.cpu_prepack import current_copy, hang_copy, packed_weight
 from model_workers.model.linear import Linear, linear
 
 
@@ -172,11 +172,11 @@ def transposed_copy(weight: torch.Tensor) -> torch.Tensor:
     """A stacked weight [E, out, in] as a contiguous [E, in, out] copy, made once per version of the weight: the
     dense path's bmm over a transposed view reordered every expert on every call (a verify step of 3 rows took
     8.0 ms with views, 6.9 with copies, 7.9 expert by expert)."""
-    entry = getattr(weight, TRANSPOSED_ATTR, None)
-    if entry is None or entry[1] != weight_version(weight):
-        entry = (weight.detach().transpose(1, 2).contiguous(), weight_version(weight))
-        setattr(weight, TRANSPOSED_ATTR, entry)
-    return entry[0]
+    copy = current_copy(weight, TRANSPOSED_ATTR)
+    if copy is None:
+        copy = weight.detach().transpose(1, 2).contiguous()
+        hang_copy(weight, TRANSPOSED_ATTR, copy)
+    return copy
 
 
 def sum_in_expert_order(slots: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

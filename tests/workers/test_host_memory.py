@@ -12,11 +12,9 @@ from cp_router.plans import DecodeItem, StepPlan
 from model_workers.cp_worker import plan_is_idle
 from model_workers.host_memory import MALLOC_VARIABLES, ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES
 
-NEW_SHAPES = """
+MALLINFO = """
 import ctypes, json, sys
 import torch
-import torch.nn.functional as F
-from model_workers.cp_worker import CPWorker
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
@@ -24,6 +22,11 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
+"""  # glibc's heap counters, in a child process of a test
+
+NEW_SHAPES = MALLINFO + """
+import torch.nn.functional as F
+from model_workers.cp_worker import CPWorker
 CPWorker(0, 1, num_threads=1)  # what a rank actor runs first
 weight = torch.randn(768, 256, dtype=torch.bfloat16)
 in_use = {}
@@ -69,17 +72,8 @@ def test_only_a_step_without_forwards_is_idle():
 
 
 
-LARGE_ALLOCATION = """
-import ctypes, json, sys
-import torch
+LARGE_ALLOCATION = MALLINFO + """
 from model_workers.host_memory import keep_large_allocations_on_heap
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
-                "keepcost".split()]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 applied = keep_large_allocations_on_heap() if sys.argv[1] == "set" else None
 before = libc.mallinfo2().hblkhd
 block = torch.ones(2 * 2**20)  # 8 MiB
