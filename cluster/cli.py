@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.commands import bench, generate, plan, random_checkpoint, serve, train
+from cluster.commands import bench, distill, generate, plan, random_checkpoint, serve, train
 from cluster.commands.aliases import expand_config_file, resolve_speculation
 
 
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(commands)
     train.add_parser(commands)
+    distill.add_parser(commands)
     bench.add_parser(commands)
     serve.add_parser(commands)
     plan.add_parser(commands)

@@ -109,3 +109,18 @@ def int_list(text: str, flag: str, low: int, high: int) -> list[int]:
     if not all(low <= v <= high for v in values):
         raise ValueError(f"{flag} values must be in {low}..{high}, got {text!r}")
     return values
+
+
+def check_at_least_one(flag: str, value: int | None) -> None:
+    """ValueError naming `flag` unless `value` is None (the default) or >= 1."""
+    if value is not None and value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def apply_threads(threads: int | None) -> None:
+    """--threads: torch's CPU thread count for this process (None: torch's choice)."""
+    check_at_least_one("--threads", threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

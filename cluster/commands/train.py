@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from cluster.commands.args import apply_threads, check_at_least_one
+
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("train-tiny", help="train the small default DSA + MTP model on the stdlib sources")
@@ -24,16 +26,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be > 0, got {args.minutes}")
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.layers is not None and args.layers < 1:
-        raise ValueError(f"--layers must be >= 1, got {args.layers}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    check_at_least_one("--steps", args.steps)
+    check_at_least_one("--layers", args.layers)
+    apply_threads(args.threads)
     log = train_tiny(args.out, minutes=args.minutes, steps=args.steps,
                      recipe=Recipe() if args.layers is None else Recipe(num_hidden_layers=args.layers))
     card = evaluate_and_write_card(args.out, log)

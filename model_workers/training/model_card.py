@@ -76,14 +76,36 @@ def evaluate_held_out(model_dir: str | Path, windows: int = 24, length: int = 51
     }
 
 
-def evaluate_and_write_card(model_dir: str | Path, train_log: dict) -> dict:
+def evaluate_and_write_card(model_dir: str | Path, train_log: dict, distillation: dict | None = None) -> dict:
+    """`distillation`: the MTP self-distillation's record (distill_checkpoint.py), None for a train-tiny run."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     card = {"held_out": evaluate_held_out(model_dir), "training": train_log, "sha256": file_hashes(model_dir),
-            "index_topk": config["index_topk"], "num_hidden_layers": config["num_hidden_layers"]}
+            "index_topk": config["index_topk"], "num_hidden_layers": config["num_hidden_layers"],
+            "distillation": distillation}
     (model_dir / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
     (model_dir / "MODEL_CARD.md").write_text(render_card(card))
     return card
+
+
+def distillation_lines(distillation: dict | None) -> str:
+    """The card's bullet on MTP self-distillation ('' without one)."""
+    if distillation is None:
+        return ""
+    recipe, before = distillation["recipe"], distillation["held_out_before"]
+    return f"""- MTP self-distillation (`distill-mtp`, target frozen): {distillation["windows_written"]} windows the target
+  wrote itself ({recipe["prompt_len"]} training-stream tokens, then its own continuation: greedy for half of them,
+  sampled at temperature 1 for the rest), {recipe["steps"]} steps of {recipe["batch_size"]}×{recipe["seq_len"]} positions, KL divergence
+  from the target's next-token distribution (recursive second draft weight {recipe["recursive_weight"]}),
+  {distillation["minutes"]:.1f} minutes. Before it, held-out mtp_step1_acceptance was
+  {before["mtp_step1_acceptance"]:.4f} and mtp_step2_acceptance_teacher_forced {before["mtp_step2_acceptance_teacher_forced"]:.4f}.
+"""
+
+
+def reproduce_distillation(distillation: dict | None) -> str:
+    if distillation is None:
+        return ""
+    return f", then `dsa-serve distill-mtp --model DIR --out DIR2 --steps {distillation['recipe']['steps']}`"
 
 
 def render_card(card: dict) -> str:
@@ -107,7 +129,8 @@ sources. It completes Python code; it exists so `make serve` shows CP prefill an
   first {int(train["recipe"]["dense_fraction"] * 100)}% with the indexer trained by KL divergence to the
   head-summed attention, then top-k sparse attention; MTP loss weight {train["recipe"]["mtp_weight"]}
   (recursive second step {train["recipe"]["mtp2_weight"]}); auxiliary-loss-free expert balancing.
-- Reproduce: `dsa-serve train-tiny --out DIR --steps {train["steps"]}{layers_flag}` (seed {train["recipe"]["seed"]}).
+{distillation_lines(card.get("distillation"))}- Reproduce: `dsa-serve train-tiny --out DIR --steps {train["steps"]}{layers_flag}` (seed {train["recipe"]["seed"]}){
+reproduce_distillation(card.get("distillation"))}.
 - Draft vocabulary (`draft_vocab.json`): the {card["held_out"].get("draft_vocab_size")} most frequent training tokens;
   speculation drafts over them only (`--speculative-token-map`), verification reads the full vocabulary.
 - The MTP layer sits at `model.layers.{layers}.*`; `transformers`' `DeepseekV32ForCausalLM` loads the checkpoint and

@@ -2,31 +2,17 @@
 
 import torch
 
-from model_workers.checkpoint.saver import init_weights
-from model_workers.model.config import parse_model_config
-from model_workers.model.decoder import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.training.recipe import Recipe, batch_losses
 from model_workers.training.train_backend import TrainingBackend
 from model_workers.training.trainer import ExpertBalancer, learning_rate
-
-CONFIG = {
-    "model_type": "deepseek_v32", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "n_routed_experts": 4,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "q_lora_rank": 16,
-    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 8,
-    "index_head_dim": 16, "index_topk": 6, "tie_word_embeddings": True,
-}
+from support.tiny_models import tiny_training_model
 
 
-def tiny_model(seed: int = 0) -> DSAForCausalLM:
-    model = DSAForCausalLM(parse_model_config(CONFIG), mtp_layout=[(True, False)])
-    init_weights(model, std=0.3, seed=seed)
-    return model
 
 
 def test_sparse_training_forward_equals_inference_path():
-    model = tiny_model().eval()
+    model = tiny_training_model().eval()
     windows = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
     backend = TrainingBackend(3, 20, sparse=True)
     with torch.no_grad():
@@ -40,7 +26,7 @@ def test_sparse_training_forward_equals_inference_path():
 
 
 def test_dense_training_forward_equals_sparse_when_topk_covers_the_context():
-    model = tiny_model().eval()
+    model = tiny_training_model().eval()
     windows = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))  # 6 <= index_topk
     outputs = []
     for sparse in (False, True):
@@ -52,7 +38,7 @@ def test_dense_training_forward_equals_sparse_when_topk_covers_the_context():
 
 def test_training_reduces_losses_and_indexer_kl_trains_only_the_indexer():
     torch.manual_seed(0)
-    model = tiny_model(seed=3).train()
+    model = tiny_training_model(seed=3).train()
     pattern = torch.arange(23) % 7  # a periodic sequence every head can learn
     windows = torch.stack([pattern.roll(-k) for k in range(4)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

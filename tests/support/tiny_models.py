@@ -118,3 +118,23 @@ def add_mtp_layer(model_dir: Path, seed: int = 1) -> dict[str, torch.Tensor]:
     config["num_nextn_predict_layers"] = 1
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return mtp
+
+
+TRAINING_CONFIG = {  # a model small enough to train for a few steps in a test
+    "model_type": "deepseek_v32", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "q_lora_rank": 16,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 8,
+    "index_head_dim": 16, "index_topk": 6, "tie_word_embeddings": True,
+}
+
+
+def tiny_training_model(seed: int = 0, with_mtp: bool = True):
+    """Our DSAForCausalLM over TRAINING_CONFIG (one MTP layer unless `with_mtp` is False), random weights."""
+    from model_workers.checkpoint.saver import init_weights
+    from model_workers.model.config import parse_model_config
+    from model_workers.model.decoder import DSAForCausalLM
+
+    model = DSAForCausalLM(parse_model_config(TRAINING_CONFIG), mtp_layout=[(True, False)] if with_mtp else [])
+    init_weights(model, std=0.3, seed=seed)
+    return model

@@ -1,0 +1,140 @@
+"""Self-distillation of the MTP layer: the target model frozen, the MTP layer taught the target's own predictions.
+
+Speculation keeps a draft token when the target would have produced it, so the draft layer should imitate the
+target rather than the corpus. This phase trains only the MTP layer's own weights (`model.layers.{L}.*`: its
+norms, eh_proj, decoder layer and gate bias; the embedding and LM head it shares stay as they are), so the
+target's outputs keep every bit. Its text is what the target wrote itself: windows that start with
+`prompt_len` training-stream tokens and go on with the target's continuation, greedy for even windows and
+sampled at temperature 1 for odd ones (the serving sampler, seeded per window). The losses, on every position of
+a window: KL(target's next-token distribution at i+1 || MTP's at i) for the first draft, and the same one step
+further for the recursive second draft (the MTP layer fed its own output, as the draft chain runs it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from cp_router.sampling import SamplingParams
+from model_workers.model.decoder import DSAForCausalLM
+from model_workers.runner import ExtendItem, ModelRunner
+from model_workers.sampler import sample
+from model_workers.training.recipe import sample_windows
+from model_workers.training.train_backend import TrainingBackend
+from model_workers.training.trainer import ExpertBalancer, learning_rate
+
+
+@dataclass(frozen=True)
+class DistillRecipe:
+    steps: int = 500
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    batch_size: int = 4  # windows per step
+    seq_len: int = 512  # scored positions per window (a window holds seq_len + 3 tokens)
+    prompt_len: int = 64  # training-stream tokens that start each window; the target writes the rest
+    num_windows: int = 1024  # windows written before training, drawn from at random
+    write_batch: int = 64  # windows written together
+    recursive_weight: float = 0.5  # the second (recursive) draft's loss
+    balance_rate: float = 1e-3  # aux-loss-free balancing of the MTP layer's gate
+    seed: int = 4321
+
+
+def mtp_layer(model: DSAForCausalLM) -> nn.Module:
+    """The (first) MTP layer; a checkpoint without one cannot be distilled."""
+    if model.num_mtp_layers < 1:
+        raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers = 0): nothing to distil")
+    return model.model.layers[model.config.num_hidden_layers]
+
+
+@torch.no_grad()
+def write_windows(model: DSAForCausalLM, prompts: torch.Tensor, new_tokens: int, write_batch: int,
+                  seed: int) -> torch.Tensor:
+    """prompts [N, P] -> [N, P + new_tokens]: each prompt and the target's continuation (window n greedy when n is
+    even, else sampled at temperature 1 with seed + n)."""
+    params = [SamplingParams(temperature=float(n % 2), seed=seed + n, max_tokens=new_tokens) for n in range(len(prompts))]
+    total = prompts.shape[1] + new_tokens
+    runner = ModelRunner(model, num_pages=min(write_batch, len(prompts)) * -(-total // 64), page_size=64)
+    written = []
+    for start in tqdm(range(0, len(prompts), write_batch), desc="distill-mtp: writing", unit="batch"):
+        batch = prompts[start : start + write_batch]  # [b, P]
+        tables = runner.standalone_tables([total] * len(batch))
+        hidden = runner.extend([ExtendItem(t, p.tolist()) for t, p in zip(tables, batch)])  # [b*P, D]
+        last = hidden.view(len(batch), prompts.shape[1], -1)[:, -1]  # [b, D]
+        tokens = []
+        for index in range(new_tokens):
+            logits = model.logits(last).float()  # [b, V]
+            step = [sample(logits[b], params[start + b], (), index) for b in range(len(batch))]
+            tokens.append(step)
+            if index + 1 < new_tokens:
+                last = runner.extend([ExtendItem(t, [tok]) for t, tok in zip(tables, step)], is_extend=False)
+        written.append(torch.cat([batch, torch.tensor(tokens, dtype=batch.dtype).T], dim=1))
+    return torch.cat(written)
+
+
+def distill_losses(model: DSAForCausalLM, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """windows [B, S + 3] -> (first-draft KL, recursive-draft KL, the MTP indexer's KL), means over positions."""
+    b, s = windows.shape[0], windows.shape[1] - 3
+    backend = TrainingBackend(b, s, sparse=True)
+    positions = torch.arange(s).repeat(b)  # [B*S]
+    tokens = [windows[:, k : k + s].reshape(-1) for k in range(3)]  # t_i, t_{i+1}, t_{i+2}
+    with torch.no_grad():
+        hidden = model(tokens[0], positions, backend)  # [B*S, D]
+        target = F.log_softmax(model.logits(hidden).float().view(b, s, -1), dim=-1)  # row i: t_{i+1}
+    frozen_kl = len(backend.kl_losses)
+    draft_hidden = model.mtp_forward(tokens[1], hidden, positions, backend)  # row i: t_{i+2}
+    first = kl_to_target(model.mtp_logits(draft_hidden).view(b, s, -1)[:, :-1], target[:, 1:])
+    chained = model.mtp_forward(tokens[2], draft_hidden, positions, backend)  # row i: t_{i+3}
+    second = kl_to_target(model.mtp_logits(chained).view(b, s, -1)[:, :-2], target[:, 2:])
+    indexer = sum(backend.kl_losses[frozen_kl:], torch.zeros(()))
+    return first, second, indexer
+
+
+def kl_to_target(draft_logits: torch.Tensor, target_log_probs: torch.Tensor) -> torch.Tensor:
+    """KL(target || draft) per position [B, n, V] -> mean over positions."""
+    draft_log_probs = F.log_softmax(draft_logits.float(), dim=-1)
+    return F.kl_div(draft_log_probs, target_log_probs, log_target=True, reduction="none").sum(-1).mean()
+
+
+def distill_mtp(model: DSAForCausalLM, train_stream: torch.Tensor, recipe: DistillRecipe = DistillRecipe()) -> dict:
+    """Trains the MTP layer of a float32 `model` in place on windows the target writes; returns the log."""
+    started = time.monotonic()
+    torch.manual_seed(recipe.seed)
+    layer = mtp_layer(model)
+    generator = torch.Generator().manual_seed(recipe.seed)
+    model.eval()
+    prompts = sample_windows(train_stream, recipe.num_windows, recipe.prompt_len, generator)
+    windows = write_windows(model, prompts, recipe.seq_len + 3 - recipe.prompt_len, recipe.write_batch, recipe.seed)
+    written_minutes = (time.monotonic() - started) / 60
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    trained = list(layer.parameters())
+    for parameter in trained:
+        parameter.requires_grad_(True)
+    model.train()
+    optimizer = torch.optim.AdamW(trained, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    balancer = ExpertBalancer(layer, recipe.balance_rate)
+    losses = []
+    for step in tqdm(range(recipe.steps), desc="distill-mtp: training", unit="step"):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(recipe, step, recipe.steps)
+        batch = windows[torch.randint(0, len(windows), (recipe.batch_size,), generator=generator)]  # [B, S + 3]
+        first, second, indexer = distill_losses(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        (first + recipe.recursive_weight * second + indexer).backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        optimizer.step()
+        balancer.update()
+        losses.append((float(first.detach()), float(second.detach())))
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {"recipe": asdict(recipe), "windows_written": len(windows), "writing_minutes": written_minutes,
+            "minutes": (time.monotonic() - started) / 60, "trained_parameters": sum(p.numel() for p in trained),
+            "final_kl": [sum(x[0] for x in tail) / len(tail), sum(x[1] for x in tail) / len(tail)]}
