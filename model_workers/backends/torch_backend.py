@@ -145,6 +145,11 @@ def all_causal_keys(batch: ForwardBatch, width: int) -> torch.Tensor:
     out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=device)
     if batch.num_rows == 0 or width == 0:
         return out
+    if len(batch.request_rows) == 1 and len(batch.request_rows[0]) == batch.num_rows:  # one request, rows 0..T-1
+        slots = batch.key_slots[0][:width]  # [K]
+        causal = torch.arange(slots.shape[0], device=device)[None, :] <= batch.positions[:, None]  # [T, K]
+        out[:, : slots.shape[0]] = torch.where(causal, slots[None, :], -1)
+        return out
     row_ids = pad_rows(list(batch.request_rows), -1, device)  # [B, n] rows into [T], -1 = pad
     key_slots = pad_rows(list(batch.key_slots), -1, device)[:, :width]  # [B, K] slots of positions 0..K-1
     positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]

@@ -4,7 +4,9 @@ and the attention over the padded selection is the attention over the real keys.
 
 import torch
 
-from model_workers.backends.torch_backend import KEY_WIDTH_STEP, TorchBackend, selection_width
+from model_workers.backends.torch_backend import (
+    KEY_WIDTH_STEP, ForwardBatch, TorchBackend, all_causal_keys, selection_width,
+)
 from model_workers.checkpoint.saver import init_weights
 from model_workers.model.config import parse_model_config
 from model_workers.model.decoder import DSAForCausalLM
@@ -63,3 +65,18 @@ def test_attention_over_a_padded_selection_is_attention_over_its_keys():
     padded = torch.cat([ids, torch.full((3, KEY_WIDTH_STEP - 10), -1)], dim=1)
     want = sparse_mla_attention(q_latent, q_pe, keys, ids, 0.2)
     torch.testing.assert_close(sparse_mla_attention(q_latent, q_pe, keys, padded, 0.2), want, rtol=1e-6, atol=1e-6)
+
+
+def test_all_causal_keys_of_one_request_and_of_several_agree_with_the_causal_rule():
+    slots = [torch.tensor([9, 4, 7, 1, 8, 2, 6, 3]), torch.tensor([5, 0, 11])]
+    one = ForwardBatch(positions=torch.tensor([5, 6, 7]), request_rows=(torch.arange(3),), key_slots=(slots[0],),
+                       write_slots=torch.tensor([2, 6, 3]))
+    two = ForwardBatch(positions=torch.tensor([5, 6, 7, 2]), request_rows=(torch.arange(3), torch.tensor([3])),
+                       key_slots=tuple(slots), write_slots=torch.tensor([2, 6, 3, 11]))
+    for batch in (one, two):
+        got = all_causal_keys(batch, KEY_WIDTH_STEP)  # [T, 64]
+        for rows, keys in zip(batch.request_rows, batch.key_slots):
+            for row in rows.tolist():
+                position = int(batch.positions[row])
+                want = keys[: position + 1].tolist() + [-1] * (KEY_WIDTH_STEP - position - 1)
+                assert got[row].tolist() == want
