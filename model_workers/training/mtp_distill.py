@@ -40,6 +40,7 @@ class DistillRecipe:
     prompt_len: int = 64  # training-stream tokens that start each window; the target writes the rest
     num_windows: int = 1024  # windows written before training, drawn from at random
     write_batch: int = 64  # windows written together
+    sampled_every: int = 2  # every sampled_every-th window is sampled at temperature 1, the others greedy (0: none)
     recursive_weight: float = 0.5  # the second (recursive) draft's loss
     balance_rate: float = 1e-3  # aux-loss-free balancing of the MTP layer's gate
     seed: int = 4321
@@ -54,10 +55,11 @@ def mtp_layer(model: DSAForCausalLM) -> nn.Module:
 
 @torch.no_grad()
 def write_windows(model: DSAForCausalLM, prompts: torch.Tensor, new_tokens: int, write_batch: int,
-                  seed: int) -> torch.Tensor:
-    """prompts [N, P] -> [N, P + new_tokens]: each prompt and the target's continuation (window n greedy when n is
-    even, else sampled at temperature 1 with seed + n)."""
-    params = [SamplingParams(temperature=float(n % 2), seed=seed + n, max_tokens=new_tokens) for n in range(len(prompts))]
+                  seed: int, sampled_every: int = 2) -> torch.Tensor:
+    """prompts [N, P] -> [N, P + new_tokens]: each prompt and the target's continuation (window n sampled at
+    temperature 1 with seed + n when sampled_every divides n + 1, else greedy)."""
+    params = [SamplingParams(temperature=float(sampled_every > 0 and (n + 1) % sampled_every == 0), seed=seed + n,
+                             max_tokens=new_tokens) for n in range(len(prompts))]
     total = prompts.shape[1] + new_tokens
     runner = ModelRunner(model, num_pages=min(write_batch, len(prompts)) * -(-total // 64), page_size=64)
     written = []
@@ -109,7 +111,8 @@ def distill_mtp(model: DSAForCausalLM, train_stream: torch.Tensor, recipe: Disti
     generator = torch.Generator().manual_seed(recipe.seed)
     model.eval()
     prompts = sample_windows(train_stream, recipe.num_windows, recipe.prompt_len, generator)
-    windows = write_windows(model, prompts, recipe.seq_len + 3 - recipe.prompt_len, recipe.write_batch, recipe.seed)
+    windows = write_windows(model, prompts, recipe.seq_len + 3 - recipe.prompt_len, recipe.write_batch, recipe.seed,
+                            recipe.sampled_every)
     written_minutes = (time.monotonic() - started) / 60
     for parameter in model.parameters():
         parameter.requires_grad_(False)

@@ -57,6 +57,8 @@ def test_written_windows_are_the_prompt_and_the_targets_own_continuation():
         with torch.no_grad():
             logits = model.logits(runner.extend([ExtendItem(table, windows[row, :-1].tolist())]))  # [7, V]
         assert torch.equal(logits[2:].argmax(-1), windows[row, 3:])
+    greedy = write_windows(model, prompts, 5, 3, seed=11, sampled_every=0)
+    assert torch.equal(greedy[[0, 2]], windows[[0, 2]]) and not torch.equal(greedy[1], windows[1])
 
 
 def test_a_model_without_an_mtp_layer_is_refused():
@@ -95,3 +97,4 @@ def test_card_of_a_distilled_checkpoint_says_how_to_reproduce_it_and_what_it_was
     assert "`dsa-serve train-tiny --out DIR --steps 720` (seed 1234), then `dsa-serve distill-mtp --model DIR " \
            "--out DIR2 --steps 500`." in text
     assert "held-out mtp_step1_acceptance was\n  0.6303" in text
+    assert "one window in 2 sampled at temperature 1, the others greedy" in text
