@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from cp_router.pages import pages_for
 from cp_router.sampling import SamplingParams
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
@@ -27,6 +28,9 @@ from model_workers.sampler import sample
 from model_workers.training.recipe import sample_windows
 from model_workers.training.train_backend import TrainingBackend
 from model_workers.training.trainer import ExpertBalancer, learning_rate
+
+
+WRITE_PAGE_SIZE = 64  # the KV pages of the target while it writes the windows
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ def write_windows(model: DSAForCausalLM, prompts: torch.Tensor, new_tokens: int,
     params = [SamplingParams(temperature=float(sampled_every > 0 and (n + 1) % sampled_every == 0), seed=seed + n,
                              max_tokens=new_tokens) for n in range(len(prompts))]
     total = prompts.shape[1] + new_tokens
-    runner = ModelRunner(model, num_pages=min(write_batch, len(prompts)) * -(-total // 64), page_size=64)
+    pages = min(write_batch, len(prompts)) * pages_for(total, WRITE_PAGE_SIZE)
+    runner = ModelRunner(model, num_pages=pages, page_size=WRITE_PAGE_SIZE)
     written = []
     for start in tqdm(range(0, len(prompts), write_batch), desc="distill-mtp: writing", unit="batch"):
         batch = prompts[start : start + write_batch]  # [b, P]
