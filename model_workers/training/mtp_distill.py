@@ -36,7 +36,7 @@ WRITE_PAGE_SIZE = 64  # the KV pages of the target while it writes the windows
 @dataclass(frozen=True)
 class DistillRecipe:
     steps: int = 500
-    lr: float = 1e-3
+    lr: float = 3e-4  # 1e-3 gave higher held-out acceptance (0.739 against 0.713) but less in speculation (E 2.569 / 2.622)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     batch_size: int = 4  # windows per step

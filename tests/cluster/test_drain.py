@@ -25,6 +25,9 @@ import pytest
 
 from support.serve_process import free_port, start_server, wait_until_ready
 
+# Streams long enough to outlast the new replica's start: with 100 tokens they once ended before the old replica
+# began to stop (2026-12-05, after speculation got faster), and the test saw no stopping replica to check.
+REDEPLOY_STREAM_TOKENS = 400
 DRAIN_TIMEOUT_S = 120  # --drain-timeout-s of the server: far above what the streams below need on a busy box
 HEAD_START_TIMEOUT_S = 120
 # KubeRay v1.7.0 ray-operator/controllers/ray/utils/constant.go: BaseWgetHealthCommand, filled in by
@@ -176,9 +179,9 @@ def test_streams_survive_a_serve_redeploy_of_every_replica(head, server):
         redeploy.stdin.write("go\n")
         redeploy.stdin.flush()
 
-    results, _ = asyncio.run(streams_with(server["url"], 3, 100, redeploy_now))
+    results, _ = asyncio.run(streams_with(server["url"], 3, REDEPLOY_STREAM_TOKENS, redeploy_now))
     assert redeploy.wait(timeout=300) == 0 and redeploy.stdout.read().strip() == "redeployed"
-    assert results == [{"finish": "length", "tokens": 100, "done": True}] * 3
+    assert results == [{"finish": "length", "tokens": REDEPLOY_STREAM_TOKENS, "done": True}] * 3
     state["retry_after"] = str(REDEPLOYED_RETRY_AFTER_S)
     (old,) = before
     assert len(engine_replica_logs(head)) == 2  # a new engine replica (a new CP group) took over
