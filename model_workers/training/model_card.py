@@ -94,8 +94,8 @@ def distillation_lines(distillation: dict | None) -> str:
         return ""
     recipe, before = distillation["recipe"], distillation["held_out_before"]
     return f"""- MTP self-distillation (`distill-mtp`, target frozen): {distillation["windows_written"]} windows the target
-  wrote itself ({recipe["prompt_len"]} training-stream tokens, then its own continuation: {continuations(recipe)}), {recipe["steps"]} steps of {recipe["batch_size"]}×{recipe["seq_len"]} positions (AdamW, learning rate
-  {recipe["lr"]:g}), KL divergence
+  wrote itself ({recipe["prompt_len"]} training-stream tokens, then its own continuation: {continuations(recipe)}),
+  {recipe["steps"]} steps of {recipe["batch_size"]}×{recipe["seq_len"]} positions (AdamW, learning rate {recipe["lr"]:g}), KL divergence
   from the target's next-token distribution (recursive second draft weight {recipe["recursive_weight"]}),
   {distillation["minutes"]:.1f} minutes. Before it, held-out mtp_step1_acceptance was
   {before["mtp_step1_acceptance"]:.4f} and mtp_step2_acceptance_teacher_forced {before["mtp_step2_acceptance_teacher_forced"]:.4f}.
@@ -104,7 +104,7 @@ def distillation_lines(distillation: dict | None) -> str:
 
 def continuations(recipe: dict) -> str:
     """How the distillation's windows were continued, from its recipe's `sampled_every`."""
-    every = recipe.get("sampled_every", 2)
+    every = recipe["sampled_every"]
     if every == 0:
         return "greedy"
     if every == 1:

@@ -25,8 +25,7 @@ from cp_router.sampling import SamplingParams
 from model_workers.model.decoder import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.sampler import sample
-from model_workers.training.recipe import sample_windows
-from model_workers.training.train_backend import TrainingBackend
+from model_workers.training.recipe import sample_windows, window_inputs
 from model_workers.training.trainer import ExpertBalancer, learning_rate
 
 
@@ -87,9 +86,7 @@ def write_windows(model: DSAForCausalLM, prompts: torch.Tensor, new_tokens: int,
 def distill_losses(model: DSAForCausalLM, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """windows [B, S + 3] -> (first-draft KL, recursive-draft KL, the MTP indexer's KL), means over positions."""
     b, s = windows.shape[0], windows.shape[1] - 3
-    backend = TrainingBackend(b, s, sparse=True)
-    positions = torch.arange(s).repeat(b)  # [B*S]
-    tokens = [windows[:, k : k + s].reshape(-1) for k in range(3)]  # t_i, t_{i+1}, t_{i+2}
+    backend, positions, tokens = window_inputs(windows, sparse=True)  # tokens: t_i, t_{i+1}, t_{i+2} (, t_{i+3})
     with torch.no_grad():
         hidden = model(tokens[0], positions, backend)  # [B*S, D]
         target = F.log_softmax(model.logits(hidden).float().view(b, s, -1), dim=-1)  # row i: t_{i+1}
@@ -108,25 +105,10 @@ def kl_to_target(draft_logits: torch.Tensor, target_log_probs: torch.Tensor) -> 
     return F.kl_div(draft_log_probs, target_log_probs, log_target=True, reduction="none").sum(-1).mean()
 
 
-def distill_mtp(model: DSAForCausalLM, train_stream: torch.Tensor, recipe: DistillRecipe = DistillRecipe()) -> dict:
-    """Trains the MTP layer of a float32 `model` in place on windows the target writes; returns the log."""
-    started = time.monotonic()
-    torch.manual_seed(recipe.seed)
-    layer = mtp_layer(model)
-    generator = torch.Generator().manual_seed(recipe.seed)
-    model.eval()
-    prompts = sample_windows(train_stream, recipe.num_windows, recipe.prompt_len, generator)
-    windows = write_windows(model, prompts, recipe.seq_len + 3 - recipe.prompt_len, recipe.write_batch, recipe.seed,
-                            recipe.sampled_every)
-    written_minutes = (time.monotonic() - started) / 60
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    trained = list(layer.parameters())
-    for parameter in trained:
-        parameter.requires_grad_(True)
-    model.train()
+def train_mtp_layer(model: DSAForCausalLM, trained: list[nn.Parameter], windows: torch.Tensor,
+                    balancer: ExpertBalancer, recipe: DistillRecipe, generator: torch.Generator) -> list[tuple]:
+    """recipe.steps optimizer steps on random batches of `windows`; returns each step's (first, second) KL."""
     optimizer = torch.optim.AdamW(trained, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    balancer = ExpertBalancer(layer, recipe.balance_rate)
     losses = []
     for step in tqdm(range(recipe.steps), desc="distill-mtp: training", unit="step"):
         for group in optimizer.param_groups:
@@ -139,9 +121,35 @@ def distill_mtp(model: DSAForCausalLM, train_stream: torch.Tensor, recipe: Disti
         optimizer.step()
         balancer.update()
         losses.append((float(first.detach()), float(second.detach())))
+    return losses
+
+
+def distill_mtp(model: DSAForCausalLM, train_stream: torch.Tensor, recipe: DistillRecipe = DistillRecipe()) -> dict:
+    """Trains the MTP layer of a float32 `model` in place on windows the target writes; returns the log."""
+    started = time.monotonic()
+    torch.manual_seed(recipe.seed)
+    layer = mtp_layer(model)
+    generator = torch.Generator().manual_seed(recipe.seed)
     model.eval()
-    for parameter in model.parameters():
+    prompts = sample_windows(train_stream, recipe.num_windows, recipe.prompt_len, generator)
+    windows = write_windows(model, prompts, recipe.seq_len + 3 - recipe.prompt_len, recipe.write_batch, recipe.seed,
+                            recipe.sampled_every)
+    written_minutes = (time.monotonic() - started) / 60
+    trainable = {parameter: parameter.requires_grad for parameter in model.parameters()}
+    trained = list(layer.parameters())  # in module order: the gradient-norm clip sums them in this order
+    for parameter in trainable:
+        parameter.requires_grad_(False)
+    for parameter in trained:
         parameter.requires_grad_(True)
+    balancer = ExpertBalancer(layer, recipe.balance_rate)
+    try:
+        model.train()
+        losses = train_mtp_layer(model, trained, windows, balancer, recipe, generator)
+    finally:
+        model.eval()
+        balancer.remove()
+        for parameter, flag in trainable.items():
+            parameter.requires_grad_(flag)
     tail = losses[-max(1, len(losses) // 10) :]
     return {"recipe": asdict(recipe), "windows_written": len(windows), "writing_minutes": written_minutes,
             "minutes": (time.monotonic() - started) / 60, "trained_parameters": sum(p.numel() for p in trained),

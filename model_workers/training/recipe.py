@@ -99,12 +99,17 @@ class BatchLosses:
         return self.lm + recipe.mtp_weight * self.mtp + recipe.mtp2_weight * self.mtp2 + self.indexer_kl
 
 
+def window_inputs(windows: torch.Tensor, sparse: bool) -> tuple[TrainingBackend, torch.Tensor, list[torch.Tensor]]:
+    """windows [B, S + 3] -> (a training backend for B x S rows, positions [B*S], tokens: t_{i+k} [B*S] for
+    k = 0..3, each window's S positions after one another)."""
+    b, s = windows.shape[0], windows.shape[1] - 3
+    positions = torch.arange(s).repeat(b)  # [B*S]
+    return TrainingBackend(b, s, sparse), positions, [windows[:, k : k + s].reshape(-1) for k in range(4)]
+
+
 def batch_losses(model: DSAForCausalLM, windows: torch.Tensor, sparse: bool) -> BatchLosses:
     """windows [B, S + 3]: next-token loss, MTP loss on t_{i+2}, recursive MTP loss on t_{i+3}, indexer KL."""
-    b, s = windows.shape[0], windows.shape[1] - 3
-    backend = TrainingBackend(b, s, sparse)
-    positions = torch.arange(s).repeat(b)  # [B*S]
-    tokens = [windows[:, k : k + s].reshape(-1) for k in range(4)]  # t_i, t_{i+1}, t_{i+2}, t_{i+3}
+    backend, positions, tokens = window_inputs(windows, sparse)  # tokens: t_i, t_{i+1}, t_{i+2}, t_{i+3}
     hidden = model(tokens[0], positions, backend)  # [B*S, hidden]
     lm = F.cross_entropy(model.logits(hidden), tokens[1])
     mtp_hidden = model.mtp_forward(tokens[1], hidden, positions, backend)

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from model_workers.checkpoint.draft_vocab import save_draft_vocab
@@ -37,10 +38,16 @@ def learning_rate(recipe: Recipe, step: int, total_steps: int) -> float:
 class ExpertBalancer:
     """DeepSeek's auxiliary-loss-free balancing: nudge each gate's bias toward under-loaded experts."""
 
-    def __init__(self, model: DSAForCausalLM, rate: float):
+    def __init__(self, model: nn.Module, rate: float):
+        """Balances every MoE gate inside `model` (a whole model, or one layer of it)."""
         self.rate, self.counts = rate, {}
-        for gate in (m for m in model.modules() if isinstance(m, MoEGate)):
-            gate.register_forward_hook(self._record)
+        self.hooks = [gate.register_forward_hook(self._record) for gate in model.modules() if isinstance(gate, MoEGate)]
+
+    def remove(self) -> None:
+        """Stops recording (the gates' forward hooks go)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.counts = [], {}
 
     def _record(self, gate, _inputs, output) -> None:
         expert_ids = output[0]
