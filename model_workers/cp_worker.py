@@ -31,8 +31,9 @@ from model_workers.kv_cache import PageTable
 from model_workers.load_progress import LoadProgress
 from model_workers.model.batch_invariant import BatchInvariantMode
 from model_workers.model.cpu_prepack import prepack_linear_weights
+from model_workers.model.draft_dtype import draft_dtype
 from model_workers.phase_clock import PhaseClock
-from model_workers.precision import compute_dtype, storage_dtype
+from model_workers.precision import compute_dtype, set_draft_precision, storage_dtype
 from model_workers.runner import ModelRunner, make_backend
 
 
@@ -90,6 +91,7 @@ class CPWorker:
             ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size, on_read=progress.read)
         progress.done(self.load_report.total_bytes)
         if model.num_mtp_layers:
+            set_draft_precision(model, self.device)  # on a CPU the draft computes in float32
             model.set_draft_vocab(resolve_token_map(speculative_token_map, model_dir, model.config.vocab_size))
         prepacked = prepack_linear_weights(model)  # bf16 on a CPU with native bf16: oneDNN's layout, packed once
         self.exchange = ExpertExchange(self.comm, deterministic) if ep_size > 1 else None
@@ -101,6 +103,7 @@ class CPWorker:
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else None,
+                "draft_dtype": str(draft_dtype(model)).removeprefix("torch."),
                 "prepacked_weights": prepacked, **self.weights_info()}
 
     def weights_info(self) -> dict:

@@ -138,15 +138,16 @@ class DSAForCausalLM(nn.Module):
         layer_id = self.config.num_hidden_layers + mtp_index
         mtp: MTPLayer = self.model.layers[layer_id]
         cos, sin = self.rotary.for_positions(positions)
-        embedded = mtp.enorm(self.model.embed_tokens(next_ids))
-        x = mtp.eh_proj(torch.cat([embedded, mtp.hnorm(prev_hidden)], dim=-1))  # [T, hidden]
+        dtype = mtp.eh_proj.weight.dtype  # the draft's (model/draft_dtype.py): the target's rows come in cast
+        embedded = mtp.enorm(self.model.embed_tokens(next_ids).to(dtype))
+        x = mtp.eh_proj(torch.cat([embedded, mtp.hnorm(prev_hidden.to(dtype))], dim=-1))  # [T, hidden]
         x, _ = DecoderLayer.forward(mtp, x, cos, sin, backend, layer_id, None)
         return x
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
         """mtp_hidden [T, hidden] -> the MTP head's logits [T, vocab] float32 over the full vocabulary."""
-        normed = self._mtp_normed(mtp_hidden, mtp_index)
-        return linear(normed, self.mtp_head_weight(mtp_index)).float()
+        head = self.mtp_head_weight(mtp_index)  # the shared LM head stays in the target's dtype
+        return linear(self._mtp_normed(mtp_hidden, mtp_index).to(head.dtype), head).float()
 
     def draft_logits(self, mtp_hidden: torch.Tensor, mtp_index: int = 0) -> torch.Tensor:
         """What speculation drafts from: `mtp_logits`, or with a draft vocabulary set, logits [T, vocab] that
@@ -154,7 +155,7 @@ class DSAForCausalLM(nn.Module):
         MTP layer 0's head rows, so other MTP layers draft over the full vocabulary."""
         if self.draft_vocab is None or mtp_index != 0:
             return self.mtp_logits(mtp_hidden, mtp_index)
-        return self.draft_vocab(self._mtp_normed(mtp_hidden, mtp_index))
+        return self.draft_vocab(self._mtp_normed(mtp_hidden, mtp_index).to(self.draft_vocab.weight.dtype))
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Drafts over `token_ids` [N] from now on (None: the full vocabulary); the head rows are copied now."""

@@ -124,8 +124,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         layer_id = self.config.num_hidden_layers + mtp_index
         mtp: V4MTPLayer = self.model.layers[layer_id]
         n, hidden = self.config.hc_mult, self.config.hidden_size
-        embedded = mtp.e_proj(mtp.enorm(self.model.embed_tokens(next_ids)))  # [T, D]
-        streams = embedded.unsqueeze(1) + mtp.h_proj(mtp.hnorm(prev_hidden.view(-1, n, hidden)))  # [T, N, D]
+        dtype = mtp.e_proj.weight.dtype  # the draft's (model/draft_dtype.py): the target's rows come in cast
+        embedded = mtp.e_proj(mtp.enorm(self.model.embed_tokens(next_ids).to(dtype)))  # [T, D]
+        streams = embedded.unsqueeze(1) + mtp.h_proj(mtp.hnorm(prev_hidden.to(dtype).view(-1, n, hidden)))  # [T, N, D]
         streams = V4DecoderLayer.forward(mtp, streams, next_ids, positions, self.main_table, backend, layer_id)
         return streams.flatten(1)
 
@@ -146,6 +147,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         """hidden [..., N·D] -> logits [..., vocab] float32 (through `vocab`'s reduced head when given)."""
         shape = hidden.shape[:-1]
         streams = hidden.reshape(-1, self.config.hc_mult, self.config.hidden_size)  # [R, N, D]
-        normed = norm(hc_head(streams))  # [R, D]
+        normed = norm(hc_head(streams)).to(self.lm_head.weight.dtype)  # [R, D]; a wider draft's rows cast to the head's
         logits = vocab(normed) if vocab is not None else linear(normed, self.lm_head.weight).float()
         return logits.view(*shape, logits.shape[-1])

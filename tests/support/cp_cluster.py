@@ -17,7 +17,7 @@ from cluster.launch import CPGroup, engine_cpus, launch_group, start_ray
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
 from model_workers.kv_cache import PagedKVCache, PageTable
-from model_workers.precision import compute_dtype
+from model_workers.precision import compute_dtype, set_draft_precision
 from model_workers.runner import ExtendItem, ModelRunner
 
 NUM_PAGES, PAGE_SIZE = 64, 8  # 512 token slots per rank
@@ -47,11 +47,13 @@ _EXPECTED: dict[tuple, Expected] = {}
 def single_process(folder: Path, prompts: list[list[int]], dtype: torch.dtype = torch.float32,
                    kv_cache_dtype: str = "auto") -> Expected:
     """The plain single-process path (ModelRunner.extend + extend_mtp), independent of the CP code, with
-    the workers' precision: bf16 weights computed in fp32 on a CPU without native bf16, the KV cache in
+    the workers' precision: bf16 weights computed in fp32 on a CPU without native bf16, the draft widened as a CPU
+    rank widens it (precision.set_draft_precision), the KV cache in
     `kv_cache_dtype` (auto: as the weights are stored)."""
     key = (str(folder), dtype, kv_cache_dtype, tuple(map(tuple, prompts)))
     if key not in _EXPECTED:
         model = load_model(folder, dtype=compute_dtype(dtype, "cpu"), progress=False)  # as a CPU worker does
+        set_draft_precision(model, "cpu")
         runner = ModelRunner(model, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=dtype,
                              kv_cache_dtype=kv_cache_dtype)
         tables = runner.standalone_tables([len(p) for p in prompts])
