@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from model_workers.model.draft_dtype import draft_dtype, mtp_parameter_count, widen_draft
+from model_workers.model.draft_dtype import draft_dtype, widened_parameter_count, widen_draft
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the one table of --dtype names
@@ -81,6 +81,6 @@ def draft_dtype_for(compute: torch.dtype, device: torch.device | str, draft_para
 def set_draft_precision(model, device: torch.device | str) -> torch.dtype:
     """Widens the model's MTP layers to `draft_dtype_for` their size on `device` (model/draft_dtype.py), as a
     rank does at load; returns the draft's dtype."""
-    dtype = draft_dtype_for(draft_dtype(model), device, mtp_parameter_count(model))
+    dtype = draft_dtype_for(draft_dtype(model), device, widened_parameter_count(model))
     widen_draft(model, dtype)
     return draft_dtype(model)

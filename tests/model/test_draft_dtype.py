@@ -9,7 +9,7 @@ import torch
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.model.cpu_prepack import packed_weight, prepack_linear_weights
-from model_workers.model.draft_dtype import draft_dtype, mtp_layers, mtp_parameter_count, widen_draft
+from model_workers.model.draft_dtype import draft_dtype, mtp_layers, widened_parameter_count, widen_draft
 from model_workers.precision import DRAFT_WIDEN_MAX_BYTES, draft_dtype_for
 from model_workers.runner import ExtendItem, ModelRunner
 
@@ -30,14 +30,16 @@ def test_widening_touches_only_the_mtp_layers_and_drops_derived_copies():
     prepack_linear_weights(model)
     target = {name: (param, param.detach().clone()) for name, param in model.named_parameters()
               if not name.startswith(f"model.layers.{model.config.num_hidden_layers}.")}
-    assert draft_dtype(model) == torch.bfloat16 and mtp_parameter_count(model) > 0
+    assert draft_dtype(model) == torch.bfloat16 and widened_parameter_count(model) > 0
     (mtp,) = mtp_layers(model)
     packed_before = packed_weight(mtp.eh_proj.weight)
 
     widen_draft(model, torch.float32)
 
     assert draft_dtype(model) == torch.float32
-    assert all(p.dtype == torch.float32 for p in mtp.parameters())
+    experts = {id(p) for p in mtp.mlp.experts.parameters()}
+    assert experts and all(p.dtype == torch.bfloat16 for p in mtp.mlp.experts.parameters())  # kept narrow
+    assert all(p.dtype == torch.float32 for p in mtp.parameters() if id(p) not in experts)
     assert packed_before is not None and packed_weight(mtp.eh_proj.weight) is None  # no stale bf16 copy
     for name, param in model.named_parameters():
         if name in target:
@@ -48,10 +50,13 @@ def test_widening_touches_only_the_mtp_layers_and_drops_derived_copies():
 
 def test_widened_draft_equals_a_float32_models_mtp_layer():
     """Same inputs (the bf16 target's hidden rows) and a float32 cache on both sides: the widened layer runs the
-    float32 model's ops on the same values."""
+    ops of a float32 model whose routed MTP experts are bf16, on the same values."""
     narrow = load_model(FOLDER, dtype=torch.bfloat16, progress=False)
     wide = load_model(FOLDER, dtype=torch.float32, progress=False)  # the checkpoint is bf16: the same values
     widen_draft(narrow, torch.float32)
+    experts = mtp_layers(wide)[0].mlp.experts
+    for name, param in list(experts.named_parameters()):
+        experts._parameters[name] = torch.nn.Parameter(param.detach().bfloat16(), requires_grad=False)
     runners = [ModelRunner(m, num_pages=4, page_size=64, kv_dtype=torch.float32) for m in (narrow, wide)]
     tables = [r.standalone_tables([100])[0] for r in runners]
     hidden = runners[0].extend([ExtendItem(tables[0], PROMPT)])  # [90, D] bf16, the target's
@@ -80,3 +85,13 @@ def test_a_cpu_rank_loading_bf16_weights_drafts_in_float32():
 
     info = CPWorker(0, 1, num_threads=None).load(str(FOLDER), "bfloat16", num_pages=4, page_size=64)
     assert info["draft_dtype"] == "float32" and info["compute_dtype"] in ("bfloat16", "float32")
+
+
+def test_narrow_experts_take_a_wide_draft_row_and_answer_in_its_dtype():
+    (mtp,) = mtp_layers(load_model(FOLDER, dtype=torch.bfloat16, progress=False))
+    experts, x = mtp.mlp.experts, torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    ids, weights = torch.tensor([[0, 5], [2, 7], [1, 3]]), torch.rand(3, 2)
+    summed, slots = experts(x, ids, weights), experts.slot_outputs(x, ids, weights)
+    assert summed.dtype == slots.dtype == torch.float32
+    assert torch.equal(summed, experts(x.bfloat16(), ids, weights).float())
+    assert torch.equal(slots, experts.slot_outputs(x.bfloat16(), ids, weights).float())
