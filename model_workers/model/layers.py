@@ -108,10 +108,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; expert_ids (global, -1 = none), weights [T, k] -> Σ over held experts [T, hidden], each
-        row's experts added in expert-id order. A wider x (a float32 draft: model/draft_dtype.py) is cast to the
-        weights' dtype and the sum back to x's."""
-        if x.dtype != self.down_proj.dtype:
-            return self.forward(x.to(self.down_proj.dtype), expert_ids, weights).to(x.dtype)
+        row's experts added in expert-id order."""
         if self._runs_dense(x):
             return sum_in_expert_order(self._dense_slots(x, expert_ids, weights), expert_ids)  # slots not held: 0
         out = torch.zeros_like(x)
@@ -121,8 +118,6 @@ class Experts(nn.Module):
 
     def slot_outputs(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The same terms unsummed: [T, k, hidden], slot j = weight_j · expert_j(x) if held here, else 0."""
-        if x.dtype != self.down_proj.dtype:
-            return self.slot_outputs(x.to(self.down_proj.dtype), expert_ids, weights).to(x.dtype)
         if self._runs_dense(x):
             return self._dense_slots(x, expert_ids, weights)
         top_k = max(expert_ids.shape[1], 1)
@@ -209,7 +204,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, backend, layer_id: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden]; token_ids [T] (hash routing reads them) -> [T, hidden]."""
         expert_ids, weights = self.gate(x, token_ids)
-        out = backend.routed_experts(layer_id, x, expert_ids, weights, self.experts)
+        # rows of a draft wider than its routed experts (model/draft_dtype.py) reach them, and every rank of an
+        # expert exchange, in the experts' dtype: the one `join` sends
+        routed_in = x.to(self.experts.down_proj.dtype)
+        out = backend.routed_experts(layer_id, routed_in, expert_ids, weights, self.experts).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

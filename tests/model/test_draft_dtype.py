@@ -87,11 +87,17 @@ def test_a_cpu_rank_loading_bf16_weights_drafts_in_float32():
     assert info["draft_dtype"] == "float32" and info["compute_dtype"] in ("bfloat16", "float32")
 
 
-def test_narrow_experts_take_a_wide_draft_row_and_answer_in_its_dtype():
-    (mtp,) = mtp_layers(load_model(FOLDER, dtype=torch.bfloat16, progress=False))
-    experts, x = mtp.mlp.experts, torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
-    ids, weights = torch.tensor([[0, 5], [2, 7], [1, 3]]), torch.rand(3, 2)
-    summed, slots = experts(x, ids, weights), experts.slot_outputs(x, ids, weights)
-    assert summed.dtype == slots.dtype == torch.float32
-    assert torch.equal(summed, experts(x.bfloat16(), ids, weights).float())
-    assert torch.equal(slots, experts.slot_outputs(x.bfloat16(), ids, weights).float())
+def test_a_wide_draft_row_reaches_narrow_experts_in_their_dtype():
+    """The widened MoE sends its float32 rows to the bf16 routed experts cast (as every rank of an expert exchange
+    sends them) and adds the float32 shared expert to their bf16 sum, cast back."""
+    model = load_model(FOLDER, dtype=torch.bfloat16, progress=False)
+    widen_draft(model, torch.float32)
+    (mtp,) = mtp_layers(model)
+    moe, layer_id = mtp.mlp, model.config.num_hidden_layers
+    backend = ModelRunner(model, num_pages=1, page_size=64).backend
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    out = moe(x, backend, layer_id)
+    ids, weights = moe.gate(x)
+    routed = moe.experts(x.bfloat16(), ids, weights)  # [3, hidden] bf16
+    assert out.dtype == torch.float32 and routed.dtype == torch.bfloat16
+    assert torch.equal(out, routed.float() + moe.shared_experts(x))

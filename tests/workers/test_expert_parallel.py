@@ -190,3 +190,18 @@ def test_a_rank_that_raises_fails_the_step_on_every_rank(cluster, moe12):
     _, results = cp_prefill(engine, prompts, max_tokens=4)
     assert [r["token_ids"] for r in results] == [reference_greedy(moe12[0], p, 4) for p in prompts]
     assert_drained(engine)
+
+
+def test_a_bf16_draft_wider_than_its_experts_joins_the_exchange_from_an_idle_rank(cluster, moe12):
+    """bf16 weights on a CPU: the draft computes in float32 around bf16 routed experts (model/draft_dtype.py). The
+    rank that owns no request joins every MTP expert exchange with rows of the experts' dtype, which is what the
+    owner sends too; speculation stays lossless."""
+    _, folder = moe12
+    prompt = make_prompts([3], seed=4)[0]  # one owner; the other rank joins with no rows
+    outputs = {}
+    for k in (0, 2):
+        engine = cluster.engine(2, folder, "zigzag", "v2", dtype="bfloat16", ep_size=2, num_speculative_steps=k)
+        (result,) = run_all(engine, [EngineRequest(f"solo{k}", tuple(prompt), 9, temperature=0.0, ignore_eos=True)])
+        outputs[k] = result["token_ids"]
+        assert_drained(engine)
+    assert outputs[2] == outputs[0]
