@@ -8,7 +8,7 @@ import torch
 
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
-from model_workers.model.cpu_prepack import packed_weight, prepack_linear_weights
+from model_workers.model.cpu_prepack import bf16_prepack_supported, packed_weight, prepack_linear_weights
 from model_workers.model.draft_dtype import draft_dtype, mtp_layers, widened_parameter_count, widen_draft
 from model_workers.precision import DRAFT_WIDEN_MAX_BYTES, draft_dtype_for
 from model_workers.runner import ExtendItem, ModelRunner
@@ -40,7 +40,9 @@ def test_widening_touches_only_the_mtp_layers_and_drops_derived_copies():
     experts = {id(p) for p in mtp.mlp.experts.parameters()}
     assert experts and all(p.dtype == torch.bfloat16 for p in mtp.mlp.experts.parameters())  # kept narrow
     assert all(p.dtype == torch.float32 for p in mtp.parameters() if id(p) not in experts)
-    assert packed_before is not None and packed_weight(mtp.eh_proj.weight) is None  # no stale bf16 copy
+    assert packed_weight(mtp.eh_proj.weight) is None
+    if bf16_prepack_supported():  # the bf16 weight had a packed copy; the widened one carries none of it
+        assert packed_before is not None
     for name, param in model.named_parameters():
         if name in target:
             same, values = target[name]
