@@ -79,9 +79,7 @@ def draft_dtype_for(compute: torch.dtype, device: torch.device | str, widened_pa
     return compute
 
 
-def set_draft_precision(model, device: torch.device | str) -> torch.dtype:
+def set_draft_precision(model, device: torch.device | str) -> None:
     """Widens the model's MTP layers to `draft_dtype_for` their size on `device` (model/draft_dtype.py), as a
-    rank does at load; returns the draft's dtype."""
-    dtype = draft_dtype_for(draft_dtype(model), device, widened_parameter_count(model))
-    widen_draft(model, dtype)
-    return draft_dtype(model)
+    rank does at load."""
+    widen_draft(model, draft_dtype_for(draft_dtype(model), device, widened_parameter_count(model)))
