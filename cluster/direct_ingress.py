@@ -1,60 +1,106 @@
-"""`--direct-ingress`: clients reach the HTTP replica itself at --host:--port, with no Serve proxy in between.
+"""Direct ingress: every HTTP replica (DSAServer, DSAIngress) also answers HTTP itself, with no Serve proxy hop.
 
-By default every request crosses Serve's HTTP proxy, which hands it to the replica over a Ray call and
-streams the answer back the same way. With Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, Ray
-2.60) an ingress replica runs its own HTTP server on a port the controller hands out from a range; this module
-makes that range the one port --port, so the address clients use stays the same. Measured against a local
-`serve --cp-size 2 --engine-placement colocated` (one-token completions, one client, 40 requests each,
-taking turns): 85.0 ms median through the proxy, 74.2 ms at the replica.
+By default a request crosses Serve's HTTP proxy, which hands it to a replica over a Ray call and streams the
+answer back the same way; inside the replica Serve passes each ASGI message between its own event loop and
+the one the app runs on. With `ServeAppArgs.direct_ingress_port` set (`dsa-serve serve --direct-ingress`),
+the replica runs a uvicorn server of its own on that port, on the event loop the app and the engine already
+run on, so a token chunk goes from the engine's queue to the socket with no thread or process in between.
+Serve's proxy keeps answering too (the same app behind it), on its own port.
 
-Serve still starts its proxy (the replica takes its HTTP settings from it): it listens on a free port of the
-same host, which clients need not use. Limits, which `check_direct_ingress` enforces with a clear error:
-- one HTTP replica: with `--engine-placement colocated` that is `--replicas 1` (for more engines, the separate
-  placement keeps one HTTP replica in front of them);
-- a Ray this command starts: the settings are environment variables that the Serve controller and replicas
-  read when they start. On an existing cluster (KubeRay), set them in its pods' environment instead.
-A replica that restarts takes the same port again (no quarantine), and the replica drains for at most
-DRAINING_PERIOD_S once `dsa-serve serve` has run its own drain.
+Measured on the 2-core bench VM (`bench serve --engine-placement colocated --concurrency 1,32`): Ray Serve's
+own direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, which this replaced) reached 0.83x of the in-process
+engine's tokens/s at 32 streams; the same app on a plain uvicorn in the engine's process 0.91-0.99x.
+
+Every replica binds with SO_REUSEPORT, so several replicas on one node share the port (the kernel spreads
+connections over them) and a replacement replica can bind while the old one drains. A draining replica stops
+accepting (`stop_accepting`) and finishes the requests it has. Requests that arrive this way are not counted by
+Serve (its autoscaling sees only those through the proxy); the app's own limit (max_ongoing_requests: 429)
+holds for both.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
+import contextlib
+import socket
+from typing import Iterator
 
-DRAINING_PERIOD_S = 1.0  # Serve's own minimum is 30 s; `dsa-serve serve` drains the replicas before it stops Serve
+import uvicorn
+from starlette.types import ASGIApp
 
-
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """The Ray Serve settings that put the ingress replica's own HTTP server on `port`."""
-    return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # Serve allocates from range(min, max)
-        "RAY_SERVE_PORT_QUARANTINE_S": "0",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
-    }
+STARTUP_TIMEOUT_S = 30.0
 
 
-def check_direct_ingress(ray_address: str | None, engine_placement: str, replicas: int) -> None:
-    """ValueError naming the flags when --direct-ingress cannot work with the others."""
-    address = ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        raise ValueError(
-            f"--direct-ingress configures the Ray that `dsa-serve serve` starts, but it would join {address!r} "
-            "(--ray-address / RAY_ADDRESS): on an existing cluster set "
-            + ", ".join(f"{k}={v}" for k, v in direct_ingress_env(8000).items())
-            + " (with your port) in its environment instead")
-    if engine_placement == "colocated" and replicas != 1:
-        raise ValueError(
-            f"--direct-ingress serves from one HTTP replica at --port; with --engine-placement colocated every "
-            f"engine replica answers HTTP, so --replicas must be 1 (got {replicas}); use --engine-placement "
-            "separate for more engine replicas behind one HTTP replica")
+class _ReplicaServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the replica's process and its signals belong to Ray."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
-def enable_direct_ingress(port: int) -> None:
-    """Sets the settings in this process's environment, which the local Ray started next passes on."""
-    import ray
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEPORT (shared by the replicas of one node); OSError naming the
+    address when it is taken by another program or cannot be bound."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"direct ingress cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
-    if ray.is_initialized():
-        raise RuntimeError("--direct-ingress must be set before Ray starts in this process")
-    os.environ.update(direct_ingress_env(port))
+
+class DirectIngressServer:
+    """`app` served by uvicorn on host:port, on the event loop that calls `start`."""
+
+    def __init__(self, app: ASGIApp, host: str, port: int):
+        self.host, self.port = host, port
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, loop="none",
+                                http="httptools" if _has_httptools() else "h11", timeout_graceful_shutdown=1)
+        self._server = _ReplicaServer(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Binds and serves in a task of the running loop; returns once it accepts connections."""
+        sock = listening_socket(self.host, self.port)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError(f"direct ingress on {self.host}:{self.port} stopped while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"direct ingress on {self.host}:{self.port} did not start in {STARTUP_TIMEOUT_S} s")
+            await asyncio.sleep(0.01)
+
+    def check(self) -> None:
+        """RuntimeError when the server is not running (for the replica's health check)."""
+        if self._task is None or self._task.done():
+            cause = "" if self._task is None or self._task.cancelled() or self._task.exception() is None \
+                else f": {self._task.exception()!r}"
+            raise RuntimeError(f"the direct ingress server on {self.host}:{self.port} is not running{cause}")
+
+    def stop_accepting(self) -> None:
+        """Closes the listening socket (new connections go to the node's other replicas); open ones stay."""
+        for server in getattr(self._server, "servers", []):
+            server.close()
+
+    async def stop(self) -> None:
+        """Stops the server (uvicorn closes idle connections and waits briefly for the busy ones)."""
+        self._server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _has_httptools() -> bool:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return False
+    return True

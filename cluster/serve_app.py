@@ -35,9 +35,11 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import resolve_cp_settings
+from cluster.direct_ingress import DirectIngressServer
 from cluster.engine_limits import EngineLimits, limits_from
 from cluster.engine_setup import EngineOptions, check_options_for_model, engine_over_workers, limit_options
 from cluster.http_api.ingress import build_app
+from cluster.http_api.utility_routes import RequestIdMiddleware
 from cluster.launch import RankLaunch, start_workers
 from cluster.rank_repair import RayRankRepair
 from cluster.ray_metrics import replica_metrics
@@ -71,6 +73,11 @@ def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
 QUIET = {"enable_access_log": False}
+# An HTTP replica runs its app (colocated: and the engine's step loop) on the replica's main event loop, not on
+# a thread of Serve's own, so no ASGI message or rank result crosses between two loops. On the 2-core bench VM
+# (`bench serve --engine-placement colocated --direct-ingress`, 32 streams) this took HTTP from 0.79x to 0.89x
+# of the in-process tokens/s. A config file's own ray_actor_options for the deployment replace these.
+HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}}
 
 
 def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointText) -> GenerationEngine:
@@ -138,13 +145,33 @@ def configure_access_log() -> None:
 
 
 class DrainableHTTP:
-    """The drain of an HTTP replica (DSAIngress, DSAServer), which `dsa-serve serve` broadcasts on SIGTERM."""
+    """What the HTTP replicas (DSAIngress, DSAServer) share: their app, its direct ingress server when configured,
+    and the drain that `dsa-serve serve` broadcasts on SIGTERM."""
 
     http_app: Any  # the FastAPI app of build_app, set by __serve_build_asgi_app__
+    direct: DirectIngressServer | None = None
+
+    async def serve_app(self, app: Any, args: ServeAppArgs) -> Any:
+        """Keeps `app` (Serve's proxy reaches it) and, with args.direct_ingress_port, serves it on that port too,
+        from this event loop (Serve runs __serve_build_asgi_app__ on the loop the app's requests run on)."""
+        self.http_app = app
+        if args.direct_ingress_port is not None:
+            # Serve's proxy sets X-Request-Id on what it forwards; on the direct path the app's middleware does.
+            direct_app = RequestIdMiddleware(app, add_header=True)
+            self.direct = DirectIngressServer(direct_app, args.direct_ingress_host, args.direct_ingress_port)
+            await self.direct.start()
+        return app
+
+    def check_direct_ingress(self) -> None:
+        if self.direct is not None:
+            self.direct.check()
 
     async def drain(self, timeout_s: float) -> int:
-        """Refuses new generation requests (503 + Retry-After; /health 503) and waits up to `timeout_s` for the
-        ones in flight; returns how many are still running."""
+        """Refuses new generation requests (503 + Retry-After; /health 503), stops accepting connections on the
+        direct ingress port, and waits up to `timeout_s` for the requests in flight; returns how many are
+        still running."""
+        if self.direct is not None:
+            self.direct.stop_accepting()
         return await self.http_app.state.admission.drain(timeout_s)
 
 
@@ -154,12 +181,15 @@ class DSAIngress(DrainableHTTP):
     """The FastAPI app of cluster/ingress.py over a `ServeEngineClient`."""
 
     def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
-        self.engine, self.settings = engine, ingress_settings(args, resolve_model_dir(args.model))
+        self.engine, self.args = engine, args
+        self.settings = ingress_settings(args, resolve_model_dir(args.model))
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
-        self.http_app = build_app(await ServeEngineClient.connect(self.engine), self.settings)
-        return self.http_app
+        return await self.serve_app(build_app(await ServeEngineClient.connect(self.engine), self.settings), self.args)
+
+    def check_health(self) -> None:
+        self.check_direct_ingress()
 
 
 @serve.deployment(name=SERVER_DEPLOYMENT, logging_config=QUIET)
@@ -174,13 +204,14 @@ class DSAServer(DrainableHTTP):
         self.settings = ingress_settings(args, model_dir)
         same = Path(self.settings.model_dir).resolve() == model_dir.resolve()
         self.text = text if same and self.settings.chat_template == args.chat_template else None
+        self.args = args
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
-        self.http_app = build_app(self.engine, self.settings, self.text)
-        return self.http_app
+        return await self.serve_app(build_app(self.engine, self.settings, self.text), self.args)
 
     async def check_health(self) -> None:
+        self.check_direct_ingress()
         await self.engine.check_health()
 
 
@@ -217,11 +248,13 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
     if args.engine_placement == "colocated":
         return DSAServer.options(placement_group_bundles=engine_bundles(args),
                                  placement_group_strategy=args.placement_strategy,
+                                 ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS,
                                  max_ongoing_requests=ingress_cap, **replicas, **drain).bind(args)
     engine = DSAEngine.options(placement_group_bundles=engine_bundles(args),
                                placement_group_strategy=args.placement_strategy,
                                max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(args)
-    return DSAIngress.options(max_ongoing_requests=ingress_cap, **drain).bind(engine, args)
+    return DSAIngress.options(ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS, max_ongoing_requests=ingress_cap,
+                              **drain).bind(engine, args)
 
 
 def app(args: dict[str, Any]) -> Application:

@@ -87,6 +87,10 @@ class ServeAppArgs(EngineLimits):
     # chunk crosses one more Ray stream). "colocated": one DSAServer deployment whose replica is both the
     # HTTP app and the engine (one process less per chunk; scale by replicas of the whole server).
     engine_placement: EnginePlacement = "separate"
+    # Each HTTP replica also answers HTTP itself on this port, no Serve proxy hop (cluster/direct_ingress.py;
+    # `dsa-serve serve --direct-ingress`); None: only through Serve's proxy.
+    direct_ingress_port: int | None = Field(None, ge=1, le=65535)
+    direct_ingress_host: str = "0.0.0.0"  # the address it binds (`dsa-serve serve` passes --host)
     drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, description=(
         "how long requests in flight may run on after a stop (SIGTERM, a Serve redeploy or scale-down): the app "
         "then refuses new ones with 503 + Retry-After; also each deployment's graceful_shutdown_timeout_s"))

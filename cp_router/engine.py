@@ -156,18 +156,21 @@ class GenerationEngine:
                 continue
             try:
                 async with self._lock():
-                    await self.step()
+                    first_tokens = await self.step()
+                if first_tokens:
+                    await pass_on_first_tokens()
             except Exception as exc:  # noqa: BLE001 - a lost rank is replaced, any other failure ends the requests
                 await self._after_failure(exc)
-            await asyncio.sleep(0)
+            # Else the next step goes to the ranks first; the streams fed (SSE, ~0.1 ms each) run while they compute
+            # (yielding first idled them 3.7 ms a step at 32 HTTP streams). Steps yield awaiting ranks: requests get in.
 
-    async def step(self) -> None:
-        """One lockstep step over the ranks that have something to do."""
+    async def step(self) -> bool:
+        """One lockstep step over the ranks that have something to do; True when a request got its first tokens."""
         start = time.perf_counter()
         step = self.scheduler.schedule()
         if not step.plans:
             await asyncio.sleep(0.001)
-            return
+            return False
         ranks = list(step.plans)
         results = await asyncio.gather(*[self.workers[r].step.remote(step.plans[r]) for r in ranks],
                                        return_exceptions=True)
@@ -176,10 +179,12 @@ class GenerationEngine:
             if inspect.isawaitable(seen := observer(step, results)):
                 await seen
         outputs = {rid: out for result in results for rid, out in result.outputs.items()}
+        first_tokens = False
         for request_id, tokens in self.scheduler.apply(step, outputs).items():
             reason, stream = outputs[request_id].finish_reason, self.streams.get(request_id)
             prompt_logprobs = self.scheduler.take_prompt_logprobs(request_id)
             if stream is not None and (tokens or reason or prompt_logprobs):  # a resumed prefill emits nothing
+                first_tokens = first_tokens or (stream.completion_tokens == 0 and bool(tokens))
                 reason = stream.push(tokens, outputs[request_id].logprobs, reason, prompt_logprobs)
             if reason is not None:
                 self.scheduler.finish(request_id)
@@ -187,6 +192,7 @@ class GenerationEngine:
         end = time.perf_counter()
         self._record(step, results, outputs, end - start, end - max(start, self._last_step_end))
         self._last_step_end = end
+        return first_tokens
 
     def _record(self, step: ScheduledStep, results: list[StepResult], outputs: dict, wall_s: float,
                 since_last_s: float) -> None:
@@ -272,6 +278,13 @@ class GenerationEngine:
 
 class StepFailedError(RuntimeError):
     """A step failed on one or more ranks (every rank of a lockstep step stops with it)."""
+
+
+async def pass_on_first_tokens(turns: int = 8) -> None:
+    """`turns` loop turns (the hops from a stream's queue to its HTTP send) before the next step, so first tokens go
+    out while the ranks idle: engine push -> socket 1.0 ms, not 1.9 ms as while they compute (bench VM, 1 stream)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
 
 
 def raise_step_failure(ranks: list[int], results: list) -> None:

@@ -35,7 +35,6 @@ from cluster.bench.serve_report import (  # plot: bench_plot "serve"
 from cluster.bench.serve_server import SERVE_FLAGS, measure_served, server_info
 from cluster.commands.args import add_server_arguments, int_list
 from cluster.config import check_speculative_steps
-from cluster.direct_ingress import check_direct_ingress
 from cluster.serve_settings import API_KEY_ENV
 
 
@@ -61,7 +60,7 @@ def add_parser(kinds) -> None:
                        help="no in-process engine (no overhead ratios; default for --workload long)")
     bench.add_argument("--direct-ingress", action="store_true",
                        help="the server it starts answers at its HTTP replica, no Serve proxy hop "
-                            "(serve --direct-ingress)")
+                            "(serve --direct-ingress; on a free local port)")
     bench.add_argument("--skip-transformers", action="store_true", help="no transformers generate baseline")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the results into this image")
@@ -83,11 +82,9 @@ def check_arguments(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
     if args.plot is not None:
         check_plot_path(args.plot)
-    if args.direct_ingress:
-        if args.url is not None:
-            raise ValueError("--direct-ingress sets up the server this command starts; with --url, start that server "
-                             "with `dsa-serve serve --direct-ingress` instead")
-        check_direct_ingress(args.ray_address, args.engine_placement, 1)
+    if args.direct_ingress and args.url is not None:
+        raise ValueError("--direct-ingress sets up the server this command starts; with --url, start that server "
+                         "with `dsa-serve serve --direct-ingress` instead")
     return levels
 
 

@@ -11,7 +11,6 @@ import os
 import time
 from pathlib import Path
 
-from cluster.direct_ingress import enable_direct_ingress
 from cluster.serve_settings import API_KEY_ENV
 from model_workers.comm import free_port
 
@@ -21,9 +20,9 @@ SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "
                "skip_in_process", "skip_transformers", "direct_ingress")  # the result's `command` (never --api-key)
 
 
-def start_server(settings, port: int | None = None) -> str:
-    """The app of `dsa-serve serve` (one engine replica) on a free local port, or with direct ingress (`port`
-    given, `enable_direct_ingress(port)` set before Ray started) at its HTTP replica on `port`; its URL.
+def start_server(settings) -> str:
+    """The app of `dsa-serve serve` (one engine replica), Serve's proxy on a free local port; its URL: the
+    proxy's, or with direct ingress (settings.direct_ingress_port) the HTTP replica's own port.
 
     Serve runs on the Ray this command started and goes down with it (`ray.shutdown`).
     """
@@ -34,7 +33,7 @@ def start_server(settings, port: int | None = None) -> str:
     proxy_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     serve.run(build_application(settings, 1), name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{port or proxy_port}"
+    return f"http://127.0.0.1:{settings.direct_ingress_port or proxy_port}"
 
 
 def served_models(url: str, headers: dict) -> list[str]:
@@ -94,11 +93,11 @@ async def measure_paths(senders: dict, groups: dict, warmup: int) -> dict:
     return out
 
 
-def http_sender(client, url: str, args):
+def http_sender(session, url: str, args):
     from cluster.bench.load import completion_body, http_request
 
     def send(prompts: list, i: int):
-        return http_request(client, url, completion_body(prompts[i % len(prompts)][0], args.max_tokens))
+        return http_request(session, url, completion_body(prompts[i % len(prompts)][0], args.max_tokens))
 
     return send
 
@@ -118,14 +117,15 @@ def engine_sender(engine, args):
 
 
 async def measure_both(url: str, headers: dict, engine, groups: dict, args) -> dict:
-    """measure_paths over HTTP (an httpx client) and, when `engine` is given, on it in this process."""
-    import httpx
+    """measure_paths over HTTP (an aiohttp client, as `vllm bench serve` uses) and, when `engine` is given, on it
+    in this process."""
+    import aiohttp
 
     most = max(c for _, plan in groups.values() for c in plan)
-    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits, headers=headers,
-                                 trust_env=False) as client:
-        senders = {"http": http_sender(client, url, args)}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=most), headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=600), read_bufsize=1 << 20,
+                                     trust_env=False) as session:
+        senders = {"http": http_sender(session, url, args)}
         if engine is not None:
             senders["in_process"] = engine_sender(engine, args)
         return await measure_paths(senders, groups, args.warmup)
@@ -141,15 +141,14 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     needs_ray = args.url is None or not args.skip_in_process or after is not None
     engines = (args.url is None) + (not args.skip_in_process)
-    direct_port = free_port() if args.direct_ingress else None
-    if direct_port is not None:
-        enable_direct_ingress(direct_port)  # the server's HTTP replica port, set before Ray starts
+    if args.direct_ingress:
+        settings = settings.model_copy(update={"direct_ingress_port": free_port(), "direct_ingress_host": "127.0.0.1"})
     started_ray = needs_ray and start_ray(1 + max(1, engines) * engine_cpus(cp.cp_size), args.ray_address)
     if args.url is None and not started_ray:
         raise ValueError("--url is required on a Ray cluster this command joins (--ray-address, $RAY_ADDRESS): "
                          "it starts its own server only on a Ray it starts")
     try:
-        results = measure_with_server(args, model_dir, cp, settings, groups, headers, direct_port)
+        results = measure_with_server(args, model_dir, cp, settings, groups, headers)
         http, in_process = results["http"], results.get("in_process")
         if after is None:
             return http, in_process, None
@@ -165,10 +164,9 @@ def measure_served(args, model_dir: Path, cp, settings, groups: dict, after=None
             ray.shutdown()
 
 
-def measure_with_server(args, model_dir: Path, cp, settings, groups: dict, headers: dict,
-                        direct_port: int | None = None) -> dict:
-    """measure_both against the server (started here unless --url; at its HTTP replica's `direct_port` with
-    direct ingress) and, unless skipped, an in-process engine whose rank group is shut down when the measuring
+def measure_with_server(args, model_dir: Path, cp, settings, groups: dict, headers: dict) -> dict:
+    """measure_both against the server (started here unless --url; at its HTTP replica's own port with direct
+    ingress) and, unless skipped, an in-process engine whose rank group is shut down when the measuring
     ends."""
     from cluster.engine_setup import start_engine
     from cluster.serve_app import engine_options
@@ -176,7 +174,7 @@ def measure_with_server(args, model_dir: Path, cp, settings, groups: dict, heade
     engine, group = (None, None) if args.skip_in_process else start_engine(model_dir, cp,
                                                                              engine_options(settings, model_dir))
     try:
-        url = args.url.rstrip("/") if args.url else start_server(settings, direct_port)
+        url = args.url.rstrip("/") if args.url else start_server(settings)
         models = served_models(url, headers)
         if model_dir.name not in models:
             raise ValueError(f"--url serves {models}, not {model_dir.name!r}: pass the --model that server runs")

@@ -18,7 +18,6 @@ import time
 
 from cluster.commands.aliases import resolve_speculation
 from cluster.commands.args import add_server_arguments
-from cluster.direct_ingress import check_direct_ingress, enable_direct_ingress
 from cluster.engine_limits import limits_from
 from cluster.serve_settings import API_KEY_ENV, ServeAppArgs
 from cp_router.protocol import one_line
@@ -34,8 +33,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--allowed-origins", default=None,
                         help='CORS origins: a JSON list (vLLM\'s form, e.g. \'["*"]\') or a comma list')
     parser.add_argument("--direct-ingress", action="store_true",
-                        help="clients reach the HTTP replica itself at --host:--port, no Serve proxy hop (Ray "
-                             "Serve's direct ingress; one HTTP replica, a local Ray)")
+                        help="the HTTP replicas answer at --host:--port themselves, no Serve proxy hop (Serve's "
+                             "proxy moves to a free port; cluster/direct_ingress.py)")
     drain = ServeAppArgs.model_fields["drain_timeout_s"]
     parser.add_argument("--drain-timeout-s", type=float, default=drain.default, help=drain.description)
     parser.set_defaults(run=run)
@@ -46,8 +45,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.direct_ingress:
-        check_direct_ingress(args.ray_address, args.engine_placement, args.replicas)
 
 
 def app_args(args: argparse.Namespace):
@@ -63,6 +60,8 @@ def app_args(args: argparse.Namespace):
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
         fields["drain_timeout_s"] = args.drain_timeout_s
     ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None))}
+    if getattr(args, "direct_ingress", False) and getattr(args, "port", None) is not None:
+        fields.update(direct_ingress_port=args.port, direct_ingress_host=args.host)
     fields.update(limits_from(args), ingress=ingress)
     return validate_args(fields)
 
@@ -120,8 +119,6 @@ DRAIN_CALL_SLACK_S = 10.0  # beyond drain_timeout_s, for the broadcast itself to
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    if args.direct_ingress:
-        enable_direct_ingress(args.port)  # before Ray (and Serve) start: their processes read it then
     from ray import serve
 
     from cluster.config import resolve_cp_settings

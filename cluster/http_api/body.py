@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any, TypeVar, get_args
+from typing import Any, Awaitable, TypeVar, get_args
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -52,6 +52,16 @@ def _declared_length(request: Request) -> int | None:
     return int(declared)
 
 
+async def _within(work: Awaitable[None], timeout_s: float | None) -> None:
+    """`await work`, asyncio.TimeoutError after `timeout_s`; on Python 3.11+ without a task of its own (wait_for
+    runs `work` as one, a loop turn more per request)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            await work
+    else:
+        await asyncio.wait_for(work, timeout_s)
+
+
 async def read_limited_body(request: Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
     """The raw body; 413 as soon as the declared or the received size passes `max_bytes`, 408 when it is not all
     in within `timeout_s` (a client that stops sending would otherwise hold its request slot forever)."""
@@ -69,7 +79,7 @@ async def read_limited_body(request: Request, max_bytes: int, timeout_s: float |
             chunks.append(chunk)
 
     try:
-        await asyncio.wait_for(receive_all(), timeout_s)
+        await _within(receive_all(), timeout_s)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s ({sum(map(len, chunks))} bytes "
                             "received)", code="request_timeout") from None

@@ -83,9 +83,33 @@ async def _pump(engine: EngineClient, choice: PlannedChoice, queue: asyncio.Queu
         queue.put_nowait((choice.index, None))
 
 
-async def merge_choice_streams(engine: EngineClient,
-                               choices: list[PlannedChoice]) -> AsyncIterator[tuple[int, EngineChunk]]:
-    """(choice index, chunk) pairs from all choices as they arrive; re-raises the first engine error."""
+async def _one_choice_stream(engine: EngineClient, choice: PlannedChoice) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """The one choice's (index, chunk) pairs straight from its engine stream: no task or queue in between."""
+    stream = engine.generate(choice.request)
+    finished = False
+    try:
+        async for chunk in stream:
+            finished = chunk.finish_reason is not None
+            yield choice.index, chunk
+            if finished:
+                return
+        raise EngineStreamError(f"engine stream of {choice.request.request_id} ended without a finish reason")
+    finally:
+        if not finished:  # shielded: a second cancellation must not leave the request running in the engine
+            await asyncio.shield(engine.abort(choice.request.request_id))
+        await _close(stream)
+
+
+def merge_choice_streams(engine: EngineClient, choices: list[PlannedChoice]) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """(choice index, chunk) pairs from all choices as they arrive; re-raises the first engine error. One choice
+    (n = 1, one prompt: nearly every request) is read directly, several through a task each and a queue."""
+    if len(choices) == 1:
+        return _one_choice_stream(engine, choices[0])
+    return _merged_streams(engine, choices)
+
+
+async def _merged_streams(engine: EngineClient,
+                          choices: list[PlannedChoice]) -> AsyncIterator[tuple[int, EngineChunk]]:
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(engine, choice, queue)) for choice in choices]
     try:

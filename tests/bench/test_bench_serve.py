@@ -10,8 +10,9 @@ import os
 import subprocess
 import sys
 
-import httpx
+import aiohttp
 import pytest
+import uvicorn
 
 from cluster.bench.load import (
     RequestTiming,
@@ -30,6 +31,7 @@ from cluster.engine_setup import EngineOptions
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
 from cp_router.protocol import EngineRequest
+from model_workers.comm import free_port
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine
 from support.http_fakes import FakeEngine, write_checkpoint_files
@@ -121,8 +123,17 @@ def test_http_request_counts_chunks_and_usage_tokens_through_the_ingress(tmp_pat
     app = build_app(engine, IngressSettings(model_dir=str(write_checkpoint_files(tmp_path))))
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench") as client:
-            return await http_request(client, "http://bench", completion_body("hello world", 5))
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await http_request(session, f"http://127.0.0.1:{port}", completion_body("hello world", 5))
+        finally:
+            server.should_exit = True
+            await serving
 
     timing = asyncio.run(main())
     (request,) = engine.requests

@@ -1,46 +1,83 @@
-"""`dsa-serve serve --direct-ingress`: the HTTP replica itself listens on --port (no Serve proxy hop), the flag
-combinations it cannot serve are refused by name, and the server answers and stops like the default one."""
+"""`dsa-serve serve --direct-ingress`: the HTTP replica itself listens on --port (no Serve proxy hop), replicas of
+one node share the port, and the server answers and stops like the default one."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import socket
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from cluster.cli import build_parser
 from cluster.cli import main as cli_main
-from cluster.direct_ingress import check_direct_ingress, direct_ingress_env
+from cluster.commands.serve import app_args
+from cluster.direct_ingress import DirectIngressServer
+from cluster.serve_app import validate_args
 from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
                                    wait_until_ready)
 
 
-def test_the_replica_port_range_is_the_one_port():
-    env = direct_ingress_env(8123)
-    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-    low, high = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]), int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])
-    assert list(range(low, high)) == [8123]  # Serve hands out ports from range(min, max)
-    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"  # a restarted replica takes the same port again
+def named(name: bytes):
+    """A minimal ASGI app answering every request with `name`."""
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": name})
+
+    return app
 
 
-def test_flag_combinations_it_cannot_serve_are_refused(monkeypatch):
+def test_replicas_of_one_node_share_the_port_and_a_draining_one_stops_accepting():
+    port = free_port()
+
+    async def main():
+        first = DirectIngressServer(named(b"first"), "127.0.0.1", port)
+        second = DirectIngressServer(named(b"second"), "127.0.0.1", port)
+        await first.start()
+        await second.start()  # SO_REUSEPORT: a second replica (or a replacement) binds the same port
+        first.check()
+        second.check()
+        async with httpx.AsyncClient(trust_env=False) as client:  # kept alive across the stop below
+            assert (await client.get(f"http://127.0.0.1:{port}/")).text in ("first", "second")
+            first.stop_accepting()
+            for _ in range(12):  # every new connection reaches the replica still accepting
+                async with httpx.AsyncClient(trust_env=False) as fresh:
+                    assert (await fresh.get(f"http://127.0.0.1:{port}/")).text == "second"
+        await first.stop()
+        await second.stop()
+        with pytest.raises(RuntimeError, match=f"direct ingress server on 127.0.0.1:{port} is not running"):
+            first.check()
+
+    asyncio.run(main())
+
+
+def test_a_port_another_program_holds_is_named():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"direct ingress cannot listen on 127.0.0.1:{port}"):
+            asyncio.run(DirectIngressServer(named(b"x"), "127.0.0.1", port).start())
+    finally:
+        taken.close()
+
+
+def test_the_flag_sets_the_app_args_and_bad_ports_are_refused_by_name(monkeypatch, capsys):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    check_direct_ingress(None, "separate", 4)  # more engines behind one HTTP replica: fine
-    check_direct_ingress(None, "colocated", 1)
-    with pytest.raises(ValueError, match=r"--replicas must be 1 \(got 2\)"):
-        check_direct_ingress(None, "colocated", 2)
-    with pytest.raises(ValueError, match="--ray-address / RAY_ADDRESS.*RAY_SERVE_ENABLE_DIRECT_INGRESS=1"):
-        check_direct_ingress("ray://head:10001", "separate", 1)
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    with pytest.raises(ValueError, match="10.0.0.1:6379"):
-        check_direct_ingress(None, "separate", 1)
-
-
-def test_serve_and_bench_flags_are_checked_before_anything_starts(monkeypatch, capsys):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert cli_main(["serve", "--direct-ingress", "--engine-placement", "colocated", "--replicas", "2"]) == 2
-    assert "--replicas must be 1 (got 2)" in capsys.readouterr().err
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--direct-ingress", "--port", "8123", "--host", "0.0.0.0"])
+    settings = app_args(args)
+    assert (settings.direct_ingress_port, settings.direct_ingress_host) == (8123, "0.0.0.0")
+    assert app_args(parser.parse_args(["serve", "--port", "8123"])).direct_ingress_port is None
+    with pytest.raises(ValueError, match="direct_ingress_port: Input should be less than or equal to 65535"):
+        validate_args({"direct_ingress_port": 70000})
     assert cli_main(["bench", "serve", "--direct-ingress", "--url", "http://127.0.0.1:8000"]) == 2
     assert "with --url, start that server with `dsa-serve serve --direct-ingress`" in capsys.readouterr().err
 
@@ -81,5 +118,7 @@ def test_the_http_replica_answers_on_port_and_stops_on_ctrl_c(tmp_path):
         bad = httpx.post(f"{base_url}/v1/completions", json={"model": "default_model", "prompt": "x",
                                                              "max_tokens": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        traced = httpx.get(f"{base_url}/v1/models", headers={"X-Request-Id": "trace-7"})
+        assert traced.headers["x-request-id"] == "trace-7"  # set by the app: no Serve proxy on this path
     finally:
         stop_with_ctrl_c(process, log_path)
