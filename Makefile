@@ -37,7 +37,7 @@ bench: install
 	$(DSA) bench decode --speculative-num-steps 0,2 --batch-size 1 --max-tokens 64 --json > $(BENCH_DIR)/decode_draft_vocab.json
 	$(DSA) bench serve --engine-placement colocated --json > $(BENCH_DIR)/serve_colocated.json
 	$(DSA) bench serve --engine-placement separate --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_separate.json
-	$(DSA) bench serve --engine-placement colocated --direct-ingress --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_colocated_direct.json
+	$(DSA) bench serve --engine-placement colocated --no-direct-ingress --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_colocated_proxy.json
 	$(DSA) bench serve --workload long --speculative-num-steps 2 --json > $(BENCH_DIR)/serve_long.json
 	$(DSA) bench ep --json > $(BENCH_DIR)/ep.json
 	$(DSA) bench ep-exchange --json > $(BENCH_DIR)/ep_exchange.json

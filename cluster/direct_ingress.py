@@ -11,11 +11,14 @@ Measured on the 2-core bench VM (`bench serve --engine-placement colocated --con
 own direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, which this replaced) reached 0.83x of the in-process
 engine's tokens/s at 32 streams; the same app on a plain uvicorn in the engine's process 0.91-0.99x.
 
-Every replica binds with SO_REUSEPORT, so several replicas on one node share the port (the kernel spreads
-connections over them) and a replacement replica can bind while the old one drains. A draining replica stops
-accepting (`stop_accepting`) and finishes the requests it has. Requests that arrive this way are not counted by
-Serve (its autoscaling sees only those through the proxy); the app's own limit (max_ongoing_requests: 429)
-holds for both.
+Every replica binds with SO_REUSEPORT, so several replicas on one node share the port and a replacement
+replica can bind while the old one drains. The kernel spreads connections, not requests, over them: a client
+that keeps one connection alive stays with one replica, hence `dsa-serve serve` turns direct ingress on by
+itself only where one replica answers HTTP. Requests that arrive this way are not counted by Serve (its
+autoscaling and its graceful shutdown see only those through the proxy), so the replica drains them itself
+when Serve stops it (`DrainableHTTP.__del__`: stop accepting, wait for the requests in flight, stop the server);
+`dsa-serve serve`'s own drain on SIGTERM keeps accepting and answers new generation requests 503 + Retry-After,
+as through the proxy. The app's own limit (max_ongoing_requests: 429) holds on both paths.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ class DirectIngressServer:
             raise RuntimeError(f"the direct ingress server on {self.host}:{self.port} is not running{cause}")
 
     def stop_accepting(self) -> None:
-        """Closes the listening socket (new connections go to the node's other replicas); open ones stay."""
+        """Closes the listening socket: new connections go to the node's other replicas (or are refused); the
+        open ones stay."""
         for server in getattr(self._server, "servers", []):
             server.close()
 

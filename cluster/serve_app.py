@@ -26,7 +26,7 @@ and waits for their streams, since serve.shutdown() stops the proxies too.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import ray
 from pydantic import ValidationError
@@ -149,6 +149,7 @@ class DrainableHTTP:
     and the drain that `dsa-serve serve` broadcasts on SIGTERM."""
 
     http_app: Any  # the FastAPI app of build_app, set by __serve_build_asgi_app__
+    args: ServeAppArgs
     direct: DirectIngressServer | None = None
 
     async def serve_app(self, app: Any, args: ServeAppArgs) -> Any:
@@ -167,12 +168,21 @@ class DrainableHTTP:
             self.direct.check()
 
     async def drain(self, timeout_s: float) -> int:
-        """Refuses new generation requests (503 + Retry-After; /health 503), stops accepting connections on the
-        direct ingress port, and waits up to `timeout_s` for the requests in flight; returns how many are
-        still running."""
-        if self.direct is not None:
-            self.direct.stop_accepting()
+        """Refuses new generation requests (503 + Retry-After; /health 503) and waits up to `timeout_s` for the
+        ones in flight; returns how many are still running."""
         return await self.http_app.state.admission.drain(timeout_s)
+
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve stops this replica (redeploy, scale-down, shutdown) and awaits what this returns: Serve waits only
+        for the requests that came through its proxy, so the direct ingress ones are drained here, within the same
+        drain_timeout_s. Nothing (no coroutine) when there is nothing to stop, e.g. when the object is collected."""
+        direct, self.direct = self.direct, None
+        return None if direct is None else self._stop_direct_ingress(direct)
+
+    async def _stop_direct_ingress(self, direct: DirectIngressServer) -> None:
+        direct.stop_accepting()  # a replacement replica on this node takes the new connections
+        await self.drain(self.args.drain_timeout_s)
+        await direct.stop()
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, logging_config=QUIET)

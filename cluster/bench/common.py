@@ -12,12 +12,16 @@ PROMPTS = (
 )
 
 
-def spelled_command(kind: str, args: argparse.Namespace, names: tuple[str, ...]) -> str:
+def spelled_command(kind: str, args: argparse.Namespace, names: tuple[str, ...],
+                    negatable: tuple[str, ...] = ()) -> str:
     """`dsa-serve bench KIND --flag value ...` with every setting in `names` spelled out (flags set to True
-    appear bare, False / None ones are left out) and --json: the command that reproduces the result."""
+    appear bare, False / None ones are left out, but False is `--no-flag` for the `negatable` ones) and --json:
+    the command that reproduces the result."""
     words = ["dsa-serve", "bench", kind]
     for name in names:
         value = getattr(args, name)
+        if value is False and name in negatable:
+            words.append("--no-" + name.replace("_", "-"))
         if value is None or value is False:
             continue
         words.append("--" + name.replace("_", "-"))

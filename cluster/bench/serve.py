@@ -32,7 +32,7 @@ from cluster.bench.serve_report import (  # plot: bench_plot "serve"
     plot,
     summary_text,
 )
-from cluster.bench.serve_server import SERVE_FLAGS, measure_served, server_info
+from cluster.bench.serve_server import NEGATABLE_FLAGS, SERVE_FLAGS, measure_served, server_info
 from cluster.commands.args import add_server_arguments, int_list
 from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
@@ -58,9 +58,9 @@ def add_parser(kinds) -> None:
     bench.add_argument("--api-key", default=None, help=f"Bearer key for --url (default: env {API_KEY_ENV})")
     bench.add_argument("--skip-in-process", action=argparse.BooleanOptionalAction, default=None,
                        help="no in-process engine (no overhead ratios; default for --workload long)")
-    bench.add_argument("--direct-ingress", action="store_true",
-                       help="the server it starts answers at its HTTP replica, no Serve proxy hop "
-                            "(serve --direct-ingress; on a free local port)")
+    bench.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
+                       help="the server it starts answers at its HTTP replica, no Serve proxy hop, as `serve` does "
+                            "by default with one replica (default: on; --no-direct-ingress: through Serve's proxy)")
     bench.add_argument("--skip-transformers", action="store_true", help="no transformers generate baseline")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the results into this image")
@@ -82,9 +82,11 @@ def check_arguments(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
     if args.plot is not None:
         check_plot_path(args.plot)
-    if args.direct_ingress and args.url is not None:
-        raise ValueError("--direct-ingress sets up the server this command starts; with --url, start that server "
-                         "with `dsa-serve serve --direct-ingress` instead")
+    if args.direct_ingress is not None and args.url is not None:
+        raise ValueError("--direct-ingress / --no-direct-ingress set up the server this command starts; with --url, "
+                         "start that server with `dsa-serve serve --direct-ingress` (or --no-direct-ingress) instead")
+    if args.url is None and args.direct_ingress is None:
+        args.direct_ingress = True  # what `serve` does with one replica
     return levels
 
 
@@ -114,7 +116,8 @@ def build_prompts(model_dir: Path, prompt_len: int) -> list[tuple[str | list[int
 def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], http: dict, in_process: dict | None,
                  baseline: dict) -> dict:
     return {
-        "bench": "serve", "command": spelled_command("serve", args, SERVE_FLAGS), "model": str(model_dir),
+        "bench": "serve", "command": spelled_command("serve", args, SERVE_FLAGS, NEGATABLE_FLAGS),
+        "model": str(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
         "dtype": args.dtype, "device": args.device, "max_tokens": args.max_tokens,
         "prompt_tokens": [len(ids) for _, ids in prompts], "machine": machine(), "server": server_info(args, cp),

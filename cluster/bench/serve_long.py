@@ -174,7 +174,7 @@ def transformers_block(baseline: dict) -> dict:
 def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels: list[int], runs: list[dict],
                       baseline: dict, efficiency: dict) -> dict:
     from cluster.bench.flops import DEFINITIONS as FLOP_DEFINITIONS
-    from cluster.bench.serve_server import SERVE_FLAGS
+    from cluster.bench.serve_server import NEGATABLE_FLAGS, SERVE_FLAGS
     from cluster.bench.transformers_long import QUEUE_DEFINITION
 
     headline = next((r for r in runs if all(r[k] == v for k, v in HEADLINE.items())), None)
@@ -182,7 +182,8 @@ def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels
     reason = LONG_DEFINITIONS["in_process"] if args.in_process_skipped_by_default else "--skip-in-process"
     in_process = {"skipped": True, "reason": reason} if args.skip_in_process else {"skipped": False}
     return {
-        "bench": "serve", "workload": "long", "command": spelled_command("serve", args, SERVE_FLAGS + LONG_FLAGS),
+        "bench": "serve", "workload": "long", "command": spelled_command("serve", args, SERVE_FLAGS + LONG_FLAGS,
+                                                                        NEGATABLE_FLAGS),
         "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
         "dtype": args.dtype, "device": args.device, "max_tokens": args.max_tokens,
         "prompt_lens": sorted(prompts["by_length"]), "concurrency": levels, "num_prompts": runs[0]["num_requests"],

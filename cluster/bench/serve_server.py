@@ -18,6 +18,7 @@ READY_TIMEOUT_S = 300
 SERVE_FLAGS = ("url", "model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "ray_address", "speculative_num_steps",
                "dtype", "device", "engine_placement", "concurrency", "num_prompts", "max_tokens", "prompt_len", "warmup",
                "skip_in_process", "skip_transformers", "direct_ingress")  # the result's `command` (never --api-key)
+NEGATABLE_FLAGS = ("direct_ingress",)  # spelled --no-... when False
 
 
 def start_server(settings) -> str:
@@ -188,4 +189,5 @@ def server_info(args, cp) -> dict:
     """The `server` block of a result: where it ran and with which CP / speculation / placement settings."""
     return {"url": args.url, "started_here": args.url is None, "cp_size": cp.cp_size, "cp_strategy": cp.strategy,
             "cp_impl": cp.impl, "speculative_num_steps": args.speculative_num_steps,
-            "engine_placement": args.engine_placement, "direct_ingress": bool(args.direct_ingress)}
+            "engine_placement": args.engine_placement,
+            "direct_ingress": args.direct_ingress}  # None with --url: that server's own setting

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
 import time
@@ -32,9 +33,11 @@ def add_parser(commands) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas = CP groups")
     parser.add_argument("--allowed-origins", default=None,
                         help='CORS origins: a JSON list (vLLM\'s form, e.g. \'["*"]\') or a comma list')
-    parser.add_argument("--direct-ingress", action="store_true",
-                        help="the HTTP replicas answer at --host:--port themselves, no Serve proxy hop (Serve's "
-                             "proxy moves to a free port; cluster/direct_ingress.py)")
+    parser.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
+                        help="the HTTP replica answers at --host:--port itself, no Serve proxy hop (Serve's proxy "
+                             "moves to a free port; cluster/direct_ingress.py). Default: on where one replica "
+                             "answers HTTP (--engine-placement separate, or colocated with --replicas 1) on a Ray "
+                             "this command starts; off on a cluster it joins (--ray-address, RAY_ADDRESS)")
     drain = ServeAppArgs.model_fields["drain_timeout_s"]
     parser.add_argument("--drain-timeout-s", type=float, default=drain.default, help=drain.description)
     parser.set_defaults(run=run)
@@ -45,6 +48,17 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+
+
+def direct_ingress_on(args: argparse.Namespace) -> bool:
+    """--direct-ingress as given, else on where one replica answers HTTP (the separate placement's one ingress or
+    a lone colocated server: the kernel spreads connections, not requests, over replicas sharing the port) on a
+    Ray this command starts. On a cluster it joins (KubeRay), Serve's proxy keeps --port: probes and Services
+    expect it there."""
+    if args.direct_ingress is not None:
+        return args.direct_ingress
+    joins = args.ray_address or os.environ.get("RAY_ADDRESS")
+    return not joins and (args.engine_placement == "separate" or args.replicas == 1)
 
 
 def app_args(args: argparse.Namespace):
@@ -60,7 +74,7 @@ def app_args(args: argparse.Namespace):
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
         fields["drain_timeout_s"] = args.drain_timeout_s
     ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None))}
-    if getattr(args, "direct_ingress", False) and getattr(args, "port", None) is not None:
+    if getattr(args, "port", None) is not None and direct_ingress_on(args):  # `serve`; `bench serve` picks a port
         fields.update(direct_ingress_port=args.port, direct_ingress_host=args.host)
     fields.update(limits_from(args), ingress=ingress)
     return validate_args(fields)
@@ -139,10 +153,11 @@ def run(args: argparse.Namespace) -> int:
     read_chat_template(model_dir, settings.chat_template)  # a bad --chat-template fails here, before Ray starts
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
-        serve_port = free_port() if args.direct_ingress else args.port  # Serve's proxy, unused by clients
+        direct = settings.direct_ingress_port is not None
+        serve_port = free_port() if direct else args.port  # with direct ingress Serve's proxy is unused by clients
         serve.start(http_options={"host": args.host, "port": serve_port})
         serve.run(build_application(settings, args.replicas), name=APP_NAME, route_prefix="/")
-        via = f" (direct ingress; Serve's proxy on port {serve_port})" if args.direct_ingress else ""
+        via = f" (direct ingress; Serve's proxy on port {serve_port})" if direct else " (through Serve's proxy)"
         print(f"dsa-serve: serving {model_dir.name} (cp_size={settings.cp_size}, replicas={args.replicas}) on "
               f"http://{args.host}:{args.port}/v1{via}; Ctrl-C stops", flush=True)
         drain(serve, settings, wait_for_stop())

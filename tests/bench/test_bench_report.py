@@ -8,6 +8,7 @@ import pytest
 from cluster.bench.common import model_fingerprint
 from cluster.bench.plot import prefill_points, save_plot
 from cluster.bench.render import MATPLOTLIB_MISSING
+from cluster.bench.targets import evaluate
 from cluster.cli import main
 
 GIB = 1 << 30
@@ -182,3 +183,23 @@ def test_model_fingerprint_names_depth_and_the_cards_weights_hash(tmp_path):
         "num_hidden_layers": config["num_hidden_layers"], "weights_sha256": card["sha256"]["model.safetensors"][:16]}
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))  # a checkpoint without a card
     assert model_fingerprint(tmp_path) == {"num_hidden_layers": 3, "weights_sha256": None}
+
+
+def serve_result(direct_ingress: bool | None, ttft_ratio: float, tokens_per_s: float) -> dict:
+    """A short-workload `bench serve` result with one run at 1 stream and one at 32."""
+    runs = [{"concurrency": 1, "ttft_p50_ratio": ttft_ratio, "itl_p50_ratio": 1.0},
+            {"concurrency": 32, "ttft_p50_ratio": 1.5, "itl_p50_ratio": 1.0, "output_tokens_per_s": tokens_per_s,
+             "in_process": {"output_tokens_per_s": 1000.0}}]
+    return {"bench": "serve", "server": {"direct_ingress": direct_ingress}, "runs": runs}
+
+
+def test_serving_overhead_targets_judge_the_default_path_only():
+    verdicts = {target.name: (text, verdict) for target, text, verdict in
+                evaluate({"serve": [serve_result(True, 1.10, 950.0), serve_result(False, 1.80, 600.0)]})}
+    ttft = next(v for name, v in verdicts.items() if name.startswith("serving TTFT p50"))
+    tokens = next(v for name, v in verdicts.items() if name.startswith("serving tokens/s HTTP"))
+    assert ttft == ("1.100", "PASS") and tokens == ("0.95x (950.0 vs 1000.0 tok/s)", "PASS")
+    proxy_only = {target.name: verdict for target, _, verdict in evaluate({"serve": [serve_result(False, 1.8, 600.0)]})}
+    assert all(verdict == "not measured" for name, verdict in proxy_only.items() if name.startswith("serving "))
+    with_url = {t.name: v for t, _, v in evaluate({"serve": [serve_result(None, 1.3, 950.0)]})}  # --url: judged
+    assert next(v for name, v in with_url.items() if name.startswith("serving TTFT p50")) == "MISS"

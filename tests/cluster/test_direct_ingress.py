@@ -16,7 +16,10 @@ from cluster.cli import build_parser
 from cluster.cli import main as cli_main
 from cluster.commands.serve import app_args
 from cluster.direct_ingress import DirectIngressServer
-from cluster.serve_app import validate_args
+from cluster.http_api.ingress import build_app
+from cluster.serve_app import DrainableHTTP, validate_args
+from cluster.serve_settings import IngressSettings, ServeAppArgs
+from support.http_fakes import FakeEngine, write_checkpoint_files
 from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
                                    wait_until_ready)
 
@@ -33,7 +36,7 @@ def named(name: bytes):
     return app
 
 
-def test_replicas_of_one_node_share_the_port_and_a_draining_one_stops_accepting():
+def test_replicas_of_one_node_share_the_port():
     port = free_port()
 
     async def main():
@@ -43,13 +46,15 @@ def test_replicas_of_one_node_share_the_port_and_a_draining_one_stops_accepting(
         await second.start()  # SO_REUSEPORT: a second replica (or a replacement) binds the same port
         first.check()
         second.check()
-        async with httpx.AsyncClient(trust_env=False) as client:  # kept alive across the stop below
-            assert (await client.get(f"http://127.0.0.1:{port}/")).text in ("first", "second")
-            first.stop_accepting()
-            for _ in range(12):  # every new connection reaches the replica still accepting
-                async with httpx.AsyncClient(trust_env=False) as fresh:
-                    assert (await fresh.get(f"http://127.0.0.1:{port}/")).text == "second"
+        answers = set()
+        for _ in range(24):  # fresh connections: the kernel spreads them over both
+            async with httpx.AsyncClient(trust_env=False) as client:
+                answers.add((await client.get(f"http://127.0.0.1:{port}/")).text)
+        assert answers == {"first", "second"}
         await first.stop()
+        for _ in range(12):  # the one left takes every new connection
+            async with httpx.AsyncClient(trust_env=False) as client:
+                assert (await client.get(f"http://127.0.0.1:{port}/")).text == "second"
         await second.stop()
         with pytest.raises(RuntimeError, match=f"direct ingress server on 127.0.0.1:{port} is not running"):
             first.check()
@@ -69,13 +74,19 @@ def test_a_port_another_program_holds_is_named():
         taken.close()
 
 
-def test_the_flag_sets_the_app_args_and_bad_ports_are_refused_by_name(monkeypatch, capsys):
+def test_direct_ingress_is_on_where_one_replica_answers_http_and_bad_ports_are_refused(monkeypatch, capsys):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     parser = build_parser()
     args = parser.parse_args(["serve", "--direct-ingress", "--port", "8123", "--host", "0.0.0.0"])
     settings = app_args(args)
     assert (settings.direct_ingress_port, settings.direct_ingress_host) == (8123, "0.0.0.0")
-    assert app_args(parser.parse_args(["serve", "--port", "8123"])).direct_ingress_port is None
+    default = ["serve", "--port", "8123"]
+    assert app_args(parser.parse_args(default)).direct_ingress_port == 8123  # one ingress replica: on by default
+    assert app_args(parser.parse_args(default + ["--no-direct-ingress"])).direct_ingress_port is None
+    colocated = default + ["--engine-placement", "colocated"]
+    assert app_args(parser.parse_args(colocated)).direct_ingress_port == 8123
+    assert app_args(parser.parse_args(colocated + ["--replicas", "2"])).direct_ingress_port is None  # the proxy
+    assert app_args(parser.parse_args(colocated + ["--replicas", "2", "--direct-ingress"])).direct_ingress_port == 8123
     with pytest.raises(ValueError, match="direct_ingress_port: Input should be less than or equal to 65535"):
         validate_args({"direct_ingress_port": 70000})
     assert cli_main(["bench", "serve", "--direct-ingress", "--url", "http://127.0.0.1:8000"]) == 2
@@ -122,3 +133,48 @@ def test_the_http_replica_answers_on_port_and_stops_on_ctrl_c(tmp_path):
         assert traced.headers["x-request-id"] == "trace-7"  # set by the app: no Serve proxy on this path
     finally:
         stop_with_ctrl_c(process, log_path)
+
+
+class SlowEngine(FakeEngine):
+    """FakeEngine whose chunks come 100 ms apart: a stream outlasts uvicorn's own 1 s of graceful shutdown."""
+
+    async def generate(self, request):
+        async for chunk in super().generate(request):
+            await asyncio.sleep(0.1)
+            yield chunk
+
+
+def test_a_replica_serve_stops_finishes_its_direct_ingress_streams_and_refuses_new_connections(tmp_path):
+    port, tokens = free_port(), 20
+    args = ServeAppArgs(direct_ingress_port=port, direct_ingress_host="127.0.0.1")
+    replica = DrainableHTTP()  # what DSAServer and DSAIngress share
+    replica.args = args
+
+    async def stream(http: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
+        body = {"prompt": "hello world", "max_tokens": tokens, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = []
+            async for line in response.aiter_lines():
+                started.set()
+                lines.append(line)
+            return [line for line in lines if line.startswith("data: ")]
+
+    async def main():
+        await replica.serve_app(build_app(SlowEngine(), IngressSettings(model_dir=str(write_checkpoint_files(tmp_path)))),
+                                args)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, trust_env=False) as http:
+            started = asyncio.Event()
+            running = asyncio.create_task(stream(http, started))
+            await started.wait()
+            stopping = asyncio.ensure_future(replica.__del__())  # Serve awaits it when it stops the replica
+            await asyncio.sleep(0.05)
+            with pytest.raises(httpx.ConnectError):  # the listener is closed: new connections go elsewhere
+                async with httpx.AsyncClient(trust_env=False) as fresh:
+                    await fresh.get(f"http://127.0.0.1:{port}/health")
+            assert not stopping.done()  # it waits for the stream in flight
+            events = await running
+            await asyncio.wait_for(stopping, 30)
+        assert events[-1] == "data: [DONE]" and len(events) == tokens + 1
+        assert replica.__del__() is None  # stopped once; a later call (the object collected) has nothing to do
+
+    asyncio.run(main())

@@ -32,7 +32,8 @@ def server(tmp_path_factory, request):
     its two ranks, --ep-size 2); on teardown Ctrl-C must stop it cleanly."""
     port, log_path = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
     arguments = ["--api-key", API_KEY, "--engine-placement", request.param, "--reasoning-parser", "deepseek_r1"]
-    arguments += ["--ep-size", "2"] if request.param == "separate" else []
+    # separate: the default path (direct ingress at the DSAIngress replica); colocated: through Serve's proxy
+    arguments += ["--ep-size", "2"] if request.param == "separate" else ["--no-direct-ingress"]
     process = start_server(arguments, log_path, port)  # SIGINT ignored: Ctrl-C must still stop it
     base_url = f"http://127.0.0.1:{port}"
     wait_until_ready(process, base_url, log_path, API_KEY)
