@@ -156,21 +156,19 @@ class GenerationEngine:
                 continue
             try:
                 async with self._lock():
-                    first_tokens = await self.step()
-                if first_tokens:
-                    await pass_on_first_tokens()
+                    await self.step()
             except Exception as exc:  # noqa: BLE001 - a lost rank is replaced, any other failure ends the requests
                 await self._after_failure(exc)
-            # Else the next step goes to the ranks first; the streams fed (SSE, ~0.1 ms each) run while they compute
-            # (yielding first idled them 3.7 ms a step at 32 HTTP streams). Steps yield awaiting ranks: requests get in.
+            # No yield: the next step goes to the ranks first; the streams fed (SSE, ~0.1 ms each) run while they
+            # compute (yielding first idled them 3.7 ms a step at 32 HTTP streams); first tokens: see `step`.
 
-    async def step(self) -> bool:
-        """One lockstep step over the ranks that have something to do; True when a request got its first tokens."""
+    async def step(self) -> None:
+        """One lockstep step over the ranks that have something to do."""
         start = time.perf_counter()
         step = self.scheduler.schedule()
         if not step.plans:
             await asyncio.sleep(0.001)
-            return False
+            return
         ranks = list(step.plans)
         results = await asyncio.gather(*[self.workers[r].step.remote(step.plans[r]) for r in ranks],
                                        return_exceptions=True)
@@ -190,9 +188,10 @@ class GenerationEngine:
                 self.scheduler.finish(request_id)
                 self.streams.pop(request_id, None)
         end = time.perf_counter()
+        if first_tokens:  # before the bookkeeping below: a first token's way out is TTFT
+            await pass_on_first_tokens()
         self._record(step, results, outputs, end - start, end - max(start, self._last_step_end))
         self._last_step_end = end
-        return first_tokens
 
     def _record(self, step: ScheduledStep, results: list[StepResult], outputs: dict, wall_s: float,
                 since_last_s: float) -> None:
