@@ -7,9 +7,10 @@ the replica runs a uvicorn server of its own on that port, on the event loop the
 run on, so a token chunk goes from the engine's queue to the socket with no thread or process in between.
 Serve's proxy keeps answering too (the same app behind it), on its own port.
 
-Measured on the 2-core bench VM (`bench serve --engine-placement colocated --concurrency 1,32`): Ray Serve's
-own direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, which this replaced) reached 0.83x of the in-process
-engine's tokens/s at 32 streams; the same app on a plain uvicorn in the engine's process 0.91-0.99x.
+Measured on the 2-core bench VM (`bench serve --engine-placement colocated --concurrency 1,32`, HTTP / in-process):
+Ray Serve's own direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, which this replaced) reached 0.83x of the
+in-process tokens/s at 32 streams and 1.26x its one-stream TTFT; this server, with the engine changes of the same
+day, 0.86-0.92x and 0.98-1.10x; through Serve's proxy 0.66-0.70x and 1.54-1.73x (docs/bench_notes.md).
 
 Every replica binds with SO_REUSEPORT, so several replicas on one node share the port and a replacement
 replica can bind while the old one drains. The kernel spreads connections, not requests, over them: a client

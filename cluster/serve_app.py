@@ -16,6 +16,10 @@ with it. Health: Serve calls the replica's `check_health` every `health_check_pe
 rank actor is dead (its ping fails) or the step loop stopped or made no progress while it had work, and
 Serve replaces the replica. Aborts and metrics (separate placement): see cluster/serve_client.py.
 
+Direct ingress (`direct_ingress_port`; `dsa-serve serve`'s default with one HTTP replica): each HTTP replica also
+serves its app on that port itself, from its own event loop (cluster/direct_ingress.py), and drains those requests
+itself when Serve stops it (`DrainableHTTP.__del__`), since Serve counts only the ones its proxy forwarded.
+
 Drain: a replica Serve stops (a redeploy's rolling update, a scale-down, serve.shutdown) gets no new requests
 and keeps running its ongoing ones, HTTP streams and engine streams alike, for `graceful_shutdown_timeout_s`
 = `drain_timeout_s` (Serve polls every graceful_shutdown_wait_loop_s, then calls __del__ or kills it). On SIGTERM
