@@ -13,7 +13,9 @@ in-process tokens/s at 32 streams and 1.26x its one-stream TTFT; this server, wi
 day, 0.86-0.92x and 0.98-1.10x; through Serve's proxy 0.66-0.70x and 1.54-1.73x (docs/bench_notes.md).
 
 Every replica binds with SO_REUSEPORT, so several replicas on one node share the port and a replacement
-replica can bind while the old one drains. The kernel spreads connections, not requests, over them: a client
+replica can bind while the old one drains; a port someone else listens on (another program, another app or Ray
+cluster: `owner_file` names the app holding it) is refused, as a second server must not take half the first
+one's connections. The kernel spreads connections, not requests, over them: a client
 that keeps one connection alive stays with one replica, hence `dsa-serve serve` turns direct ingress on by
 itself only where one replica answers HTTP. Requests that arrive this way are not counted by Serve (its
 autoscaling and its graceful shutdown see only those through the proxy), so the replica drains them itself
@@ -26,7 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
+import tempfile
+from pathlib import Path
 from typing import Iterator
 
 import uvicorn
@@ -43,19 +48,41 @@ class _ReplicaServer(uvicorn.Server):
         yield
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port with SO_REUSEPORT (shared by the replicas of one node); OSError naming the
-    address when it is taken by another program or cannot be bound."""
+def _bound_socket(host: str, port: int, share: bool) -> socket.socket:
+    """A TCP socket bound to host:port (with SO_REUSEPORT when `share`); OSError naming the address."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if share:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as exc:
         sock.close()
         raise OSError(exc.errno, f"direct ingress cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def owner_file(port: int) -> Path:
+    """Names the app whose replicas listen on `port` of this node (the one a new replica may share it with)."""
+    return Path(tempfile.gettempdir()) / f"dsa-serve-direct-ingress-{port}.owner"
+
+
+def listening_socket(host: str, port: int, owner: str) -> socket.socket:
+    """A socket bound to host:port with SO_REUSEPORT, so the replicas of one app on a node share the port; OSError
+    naming the address when another program, or another app (`owner`: which app this replica belongs to), holds it:
+    SO_REUSEPORT alone would let a second server on the port take half of the first one's connections."""
+    try:
+        _bound_socket(host, port, share=False).close()  # free: nobody listens there
+    except OSError:
+        holder = owner_file(port).read_text() if owner_file(port).exists() else None
+        if holder != owner:
+            raise OSError(errno.EADDRINUSE, f"direct ingress cannot listen on {host}:{port}: the port is taken "
+                                            f"(by {holder or 'another program'}, not {owner})") from None
+    sock = _bound_socket(host, port, share=True)
+    with contextlib.suppress(OSError):  # unwritable: the app's next replica on this node cannot share, and says so
+        owner_file(port).write_text(owner)
     sock.set_inheritable(True)
     return sock
 
@@ -63,8 +90,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 class DirectIngressServer:
     """`app` served by uvicorn on host:port, on the event loop that calls `start`."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int):
-        self.host, self.port = host, port
+    def __init__(self, app: ASGIApp, host: str, port: int, owner: str):
+        """`owner`: the app the replica belongs to; only its replicas share the port (listening_socket)."""
+        self.host, self.port, self.owner = host, port, owner
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, loop="none",
                                 http="httptools" if _has_httptools() else "h11", timeout_graceful_shutdown=1)
         self._server = _ReplicaServer(config)
@@ -72,7 +100,7 @@ class DirectIngressServer:
 
     async def start(self) -> None:
         """Binds and serves in a task of the running loop; returns once it accepts connections."""
-        sock = listening_socket(self.host, self.port)
+        sock = listening_socket(self.host, self.port, self.owner)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
         while not self._server.started:

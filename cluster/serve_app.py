@@ -29,6 +29,7 @@ and waits for their streams, since serve.shutdown() stops the proxies too.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
 
@@ -36,6 +37,7 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import resolve_cp_settings
@@ -148,6 +150,16 @@ def configure_access_log() -> None:
     configure_console_logging()
 
 
+def replica_app_owner() -> str:
+    """The Serve app and Ray cluster of this replica (its replicas may share a direct ingress port); outside Serve,
+    this process."""
+    try:
+        app_name = serve.get_replica_context().app_name
+    except RayServeException:
+        return f"process {os.getpid()}"
+    return f"Serve app {app_name!r} of the Ray cluster at {ray.get_runtime_context().gcs_address}"
+
+
 class DrainableHTTP:
     """What the HTTP replicas (DSAIngress, DSAServer) share: their app, its direct ingress server when configured,
     and the drain that `dsa-serve serve` broadcasts on SIGTERM."""
@@ -163,7 +175,8 @@ class DrainableHTTP:
         if args.direct_ingress_port is not None:
             # Serve's proxy sets X-Request-Id on what it forwards; on the direct path the app's middleware does.
             direct_app = RequestIdMiddleware(app, add_header=True)
-            self.direct = DirectIngressServer(direct_app, args.direct_ingress_host, args.direct_ingress_port)
+            self.direct = DirectIngressServer(direct_app, args.direct_ingress_host, args.direct_ingress_port,
+                                              replica_app_owner())
             await self.direct.start()
         return app
 

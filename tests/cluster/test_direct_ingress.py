@@ -40,8 +40,8 @@ def test_replicas_of_one_node_share_the_port():
     port = free_port()
 
     async def main():
-        first = DirectIngressServer(named(b"first"), "127.0.0.1", port)
-        second = DirectIngressServer(named(b"second"), "127.0.0.1", port)
+        first = DirectIngressServer(named(b"first"), "127.0.0.1", port, "app A")
+        second = DirectIngressServer(named(b"second"), "127.0.0.1", port, "app A")
         await first.start()
         await second.start()  # SO_REUSEPORT: a second replica (or a replacement) binds the same port
         first.check()
@@ -62,14 +62,32 @@ def test_replicas_of_one_node_share_the_port():
     asyncio.run(main())
 
 
+def test_another_app_cannot_share_the_port():
+    port = free_port()
+
+    async def main():
+        first = DirectIngressServer(named(b"first"), "127.0.0.1", port, "app A")
+        await first.start()
+        try:
+            with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port}: the port is taken \(by app A, "
+                                              r"not app B\)"):
+                await DirectIngressServer(named(b"other"), "127.0.0.1", port, "app B").start()
+            async with httpx.AsyncClient(trust_env=False) as client:  # the first one still has every connection
+                assert {(await client.get(f"http://127.0.0.1:{port}/")).text for _ in range(8)} == {"first"}
+        finally:
+            await first.stop()
+
+    asyncio.run(main())
+
+
 def test_a_port_another_program_holds_is_named():
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        with pytest.raises(OSError, match=f"direct ingress cannot listen on 127.0.0.1:{port}"):
-            asyncio.run(DirectIngressServer(named(b"x"), "127.0.0.1", port).start())
+        with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port}: .*another program, not app A"):
+            asyncio.run(DirectIngressServer(named(b"x"), "127.0.0.1", port, "app A").start())
     finally:
         taken.close()
 
