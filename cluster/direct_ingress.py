@@ -94,7 +94,7 @@ class DirectIngressServer:
         """`owner`: the app the replica belongs to; only its replicas share the port (listening_socket)."""
         self.host, self.port, self.owner = host, port, owner
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, loop="none",
-                                http="httptools" if _has_httptools() else "h11", timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1)  # http "auto": httptools where installed, else h11
         self._server = _ReplicaServer(config)
         self._task: asyncio.Task | None = None
 
@@ -130,10 +130,3 @@ class DirectIngressServer:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
 
-
-def _has_httptools() -> bool:
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return False
-    return True

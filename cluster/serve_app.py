@@ -168,10 +168,10 @@ class DrainableHTTP:
     args: ServeAppArgs
     direct: DirectIngressServer | None = None
 
-    async def serve_app(self, app: Any, args: ServeAppArgs) -> Any:
+    async def serve_app(self, app: Any) -> Any:
         """Keeps `app` (Serve's proxy reaches it) and, with args.direct_ingress_port, serves it on that port too,
         from this event loop (Serve runs __serve_build_asgi_app__ on the loop the app's requests run on)."""
-        self.http_app = app
+        self.http_app, args = app, self.args
         if args.direct_ingress_port is not None:
             # Serve's proxy sets X-Request-Id on what it forwards; on the direct path the app's middleware does.
             direct_app = RequestIdMiddleware(app, add_header=True)
@@ -213,7 +213,7 @@ class DSAIngress(DrainableHTTP):
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
-        return await self.serve_app(build_app(await ServeEngineClient.connect(self.engine), self.settings), self.args)
+        return await self.serve_app(build_app(await ServeEngineClient.connect(self.engine), self.settings))
 
     def check_health(self) -> None:
         self.check_direct_ingress()
@@ -235,7 +235,7 @@ class DSAServer(DrainableHTTP):
         configure_access_log()
 
     async def __serve_build_asgi_app__(self):
-        return await self.serve_app(build_app(self.engine, self.settings, self.text), self.args)
+        return await self.serve_app(build_app(self.engine, self.settings, self.text))
 
     async def check_health(self) -> None:
         self.check_direct_ingress()

@@ -7,6 +7,7 @@ failed) is aborted in the engine, so its KV pages are freed at once.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, TypeVar
 
@@ -62,27 +63,6 @@ async def _close(stream: AsyncIterator[EngineChunk]) -> None:
         await close()
 
 
-async def _pump(engine: EngineClient, choice: PlannedChoice, queue: asyncio.Queue) -> None:
-    """Forward one engine stream into `queue` as (index, chunk | exception | None at the end)."""
-    stream = engine.generate(choice.request)
-    finished = False
-    try:
-        async for chunk in stream:
-            queue.put_nowait((choice.index, chunk))
-            if chunk.finish_reason is not None:
-                finished = True
-                break
-        if not finished:
-            raise EngineStreamError(f"engine stream of {choice.request.request_id} ended without a finish reason")
-    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which answers with an error body
-        queue.put_nowait((choice.index, exc))
-    finally:
-        if not finished:  # shielded: a second cancellation must not leave the request running in the engine
-            await asyncio.shield(engine.abort(choice.request.request_id))
-        await _close(stream)
-        queue.put_nowait((choice.index, None))
-
-
 async def _one_choice_stream(engine: EngineClient, choice: PlannedChoice) -> AsyncIterator[tuple[int, EngineChunk]]:
     """The one choice's (index, chunk) pairs straight from its engine stream: no task or queue in between."""
     stream = engine.generate(choice.request)
@@ -98,6 +78,18 @@ async def _one_choice_stream(engine: EngineClient, choice: PlannedChoice) -> Asy
         if not finished:  # shielded: a second cancellation must not leave the request running in the engine
             await asyncio.shield(engine.abort(choice.request.request_id))
         await _close(stream)
+
+
+async def _pump(engine: EngineClient, choice: PlannedChoice, queue: asyncio.Queue) -> None:
+    """Forward one choice's stream into `queue` as (index, chunk | exception | None at the end)."""
+    try:
+        async with aclosing(_one_choice_stream(engine, choice)) as pairs:
+            async for pair in pairs:
+                queue.put_nowait(pair)
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which answers with an error body
+        queue.put_nowait((choice.index, exc))
+    finally:
+        queue.put_nowait((choice.index, None))
 
 
 def merge_choice_streams(engine: EngineClient, choices: list[PlannedChoice]) -> AsyncIterator[tuple[int, EngineChunk]]:

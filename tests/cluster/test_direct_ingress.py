@@ -178,8 +178,8 @@ def test_a_replica_serve_stops_finishes_its_direct_ingress_streams_and_refuses_n
             return [line for line in lines if line.startswith("data: ")]
 
     async def main():
-        await replica.serve_app(build_app(SlowEngine(), IngressSettings(model_dir=str(write_checkpoint_files(tmp_path)))),
-                                args)
+        settings = IngressSettings(model_dir=str(write_checkpoint_files(tmp_path)))
+        await replica.serve_app(build_app(SlowEngine(), settings))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, trust_env=False) as http:
             started = asyncio.Event()
             running = asyncio.create_task(stream(http, started))
