@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 
 import httpx
@@ -48,6 +49,27 @@ async def stream(http: httpx.AsyncClient, index: int, started: asyncio.Event) ->
     return result
 
 
+async def queued_per_replica(http: httpx.AsyncClient) -> dict[str, float]:
+    """Requests waiting for admission on each engine replica, from the merged /metrics."""
+    text = (await http.get("/metrics")).text
+    waiting = re.findall(r'^dsa_serve:num_requests_waiting\{([^}]*)\} (\S+)$', text, re.MULTILINE)
+    return {re.search(r'replica="([^"]*)"', labels).group(1): float(value) for labels, value in waiting}
+
+
+async def wait_until_every_replica_queues(http: httpx.AsyncClient, replicas: int, timeout_s: float = 60) -> None:
+    """Until Serve's router has placed a waiting request on each engine replica (it routes as replicas answer
+    its queue-length probes; a kill before that would find nothing queued on the killed one)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        queued = await queued_per_replica(http)
+        if sum(1 for count in queued.values() if count >= 1) >= replicas:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"Serve's router did not queue a request on each of {replicas} engine replicas within "
+                        f"{timeout_s} s: waiting per replica {queued}")
+        await asyncio.sleep(0.2)
+
+
 def test_the_first_requests_client_leaving_fails_no_other_request(server):
     """Runs first on a fresh server: the first request starts each engine's step loop, and its client leaves
     mid-stream. Its cancellation must not reach the loop (which once carried that request's Ray task identity,
@@ -86,6 +108,7 @@ def test_killing_an_engine_replica_retries_its_queued_requests_elsewhere(server)
                 await asyncio.wait_for(started.wait(), 120)
             except asyncio.TimeoutError:
                 pytest.fail(f"no stream started within 120 s:\n{log_path.read_text()[-4000:]}")
+            await wait_until_every_replica_queues(http, len(engines))
             os.kill(engines[0], signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
