@@ -37,11 +37,13 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import resolve_cp_settings
 from cluster.direct_ingress import DirectIngressServer
+from cluster.engine_channel import ChannelHost, ChannelRouter
 from cluster.engine_limits import EngineLimits, limits_from
 from cluster.engine_setup import EngineOptions, check_options_for_model, engine_over_workers, limit_options
 from cluster.http_api.ingress import build_app
@@ -53,7 +55,7 @@ from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import IngressSettings, ServeAppArgs
 from cp_router.console_log import configure_console_logging
 from cp_router.engine import GenerationEngine
-from cp_router.protocol import EngineChunk, EngineRequest, ModelInfo
+from cp_router.protocol import EngineRequest, ModelInfo
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 
@@ -82,8 +84,12 @@ QUIET = {"enable_access_log": False}
 # An HTTP replica runs its app (colocated: and the engine's step loop) on the replica's main event loop, not on
 # a thread of Serve's own, so no ASGI message or rank result crosses between two loops. On the 2-core bench VM
 # (`bench serve --engine-placement colocated --direct-ingress`, 32 streams) this took HTTP from 0.79x to 0.89x
-# of the in-process tokens/s. A config file's own ray_actor_options for the deployment replace these.
-HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}}
+# of the in-process tokens/s. The ingress's engine handle routes on that loop too, and the engine replica runs
+# its step loop on its main loop: with the token channels, one stream at a time went from 1.41x to 1.15x of the
+# in-process TTFT (separate placement). A config file's own ray_actor_options for a deployment replace these.
+SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {**SAME_LOOP, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}}
+ENGINE_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": SAME_LOOP}}
 
 
 def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointText) -> GenerationEngine:
@@ -114,10 +120,16 @@ class DSAEngine:
         configure_access_log()  # the engine's own lines (recoveries, progress) reach the server's output too
         text = load_checkpoint_text(resolve_model_dir(args.model), args.chat_template)
         self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, text)
+        self.channels = ChannelHost(serve.get_replica_context().replica_id.unique_id)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        async for chunk in self.engine.generate(request):
-            yield chunk
+    async def generate(self, request: EngineRequest, ingress_id: str | None = None) -> AsyncIterator[object]:
+        """`ChannelRoute`, then the request's chunks here or on `ingress_id`'s channel (cluster/engine_channel.py)."""
+        async for item in self.channels.generate(self.engine.generate(request), request, ingress_id):
+            yield item
+
+    async def channel(self, ingress_id: str, target_replica: str) -> AsyncIterator[object]:
+        async for item in self.channels.channel(ingress_id, target_replica):
+            yield item
 
     def model_info(self) -> ModelInfo:
         return self.engine.model_info()
@@ -279,6 +291,8 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
                                  max_ongoing_requests=ingress_cap, **replicas, **drain).bind(args)
     engine = DSAEngine.options(placement_group_bundles=engine_bundles(args),
                                placement_group_strategy=args.placement_strategy,
+                               request_router_config=RequestRouterConfig(request_router_class=ChannelRouter),
+                               ray_actor_options=ENGINE_REPLICA_ACTOR_OPTIONS,
                                max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(args)
     return DSAIngress.options(ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS, max_ongoing_requests=ingress_cap,
                               **drain).bind(engine, args)

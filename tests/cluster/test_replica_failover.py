@@ -1,6 +1,7 @@
 """An engine replica killed under load (separate placement, two replicas, one request running per replica):
 requests that had not streamed a byte are retried on the live replica and complete; a stream that had started
-ends with an SSE error event naming the cause; nothing ends with a 5xx status or without an answer."""
+ends with an SSE error event naming the cause; nothing ends with a 5xx status or without an answer. By then the
+ingress has a token channel to each replica (cluster/channel_inbox.py), so this is the channel's failure path."""
 
 from __future__ import annotations
 
@@ -122,6 +123,8 @@ def test_killing_an_engine_replica_retries_its_queued_requests_elsewhere(server)
         if not r["errors"]:
             assert r["finish"] == "length", results
     assert wait_for_log(log_path, "died before its first chunk"), "no queued request was retried"
+    opened = set(re.findall(r"channel from engine replica (\S+) open", log_path.read_text()))
+    assert len(opened) >= 2, f"the ingress should have had a channel to each engine replica: {opened}"
     with httpx.Client(base_url=base_url, timeout=120) as http:
         again = http.post("/v1/completions", json={"model": "default_model", "prompt": "x", "max_tokens": 2})
         assert again.status_code == 200
