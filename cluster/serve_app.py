@@ -81,12 +81,10 @@ def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
 QUIET = {"enable_access_log": False}
-# An HTTP replica runs its app (colocated: and the engine's step loop) on the replica's main event loop, not on
-# a thread of Serve's own, so no ASGI message or rank result crosses between two loops. On the 2-core bench VM
-# (`bench serve --engine-placement colocated --direct-ingress`, 32 streams) this took HTTP from 0.79x to 0.89x
-# of the in-process tokens/s. The ingress's engine handle routes on that loop too, and the engine replica runs
-# its step loop on its main loop: with the token channels, one stream at a time went from 1.41x to 1.15x of the
-# in-process TTFT (separate placement). A config file's own ray_actor_options for a deployment replace these.
+# Replicas run their app and step loop on their main event loop, not a thread of Serve's own (no ASGI message or
+# rank result crosses loops), and the ingress's engine handle routes there too. 2-core bench VM, HTTP / in-process:
+# colocated 32 streams 0.79x -> 0.89x; separate, one stream, TTFT 1.41x -> 1.05-1.15x (docs/bench_notes.md).
+# A config file's own ray_actor_options for a deployment replace these.
 SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {**SAME_LOOP, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}}
 ENGINE_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": SAME_LOOP}}
@@ -117,7 +115,7 @@ class DSAEngine:
     """One CP group and the `GenerationEngine` driving it."""
 
     def __init__(self, args: ServeAppArgs):
-        configure_access_log()  # the engine's own lines (recoveries, progress) reach the server's output too
+        configure_console_logging()  # the engine's lines (recoveries, progress) reach the server's output
         text = load_checkpoint_text(resolve_model_dir(args.model), args.chat_template)
         self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, text)
         self.channels = ChannelHost(serve.get_replica_context().replica_id.unique_id)
@@ -154,12 +152,6 @@ def ingress_settings(args: ServeAppArgs, model_dir: Path) -> IngressSettings:
     inherited = {name: getattr(args, name) for name in INHERITED_CHAT_SETTINGS
                  if getattr(settings, name) in (None, False) and getattr(args, name) not in (None, False)}
     return settings.model_copy(update=inherited) if inherited else settings
-
-
-def configure_access_log() -> None:
-    """One INFO line per HTTP request on stderr (`dsa_serve.access`), forwarded to the driver by Ray; the engine's
-    and the ranks' lines too (cp_router/console_log.py)."""
-    configure_console_logging()
 
 
 def replica_app_owner() -> str:
@@ -222,7 +214,7 @@ class DSAIngress(DrainableHTTP):
     def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
         self.engine, self.args = engine, args
         self.settings = ingress_settings(args, resolve_model_dir(args.model))
-        configure_access_log()
+        configure_console_logging()  # the access log: one INFO line per HTTP request, forwarded by Ray
 
     async def __serve_build_asgi_app__(self):
         return await self.serve_app(build_app(await ServeEngineClient.connect(self.engine), self.settings))
@@ -244,7 +236,7 @@ class DSAServer(DrainableHTTP):
         same = Path(self.settings.model_dir).resolve() == model_dir.resolve()
         self.text = text if same and self.settings.chat_template == args.chat_template else None
         self.args = args
-        configure_access_log()
+        configure_console_logging()
 
     async def __serve_build_asgi_app__(self):
         return await self.serve_app(build_app(self.engine, self.settings, self.text))
