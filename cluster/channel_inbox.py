@@ -29,6 +29,7 @@ from cp_router.protocol import EngineChunk, EngineUnavailableError, one_line
 
 logger = logging.getLogger("dsa_serve.ingress")
 CHANNEL_OPEN_TIMEOUT_S = 10.0
+CHANNEL_RETRY_AFTER_S = 30.0  # a channel that failed or never opened: its replica's requests stream on their own
 
 
 class ChannelInbox:
@@ -40,6 +41,7 @@ class ChannelInbox:
         self.queues: dict[str, asyncio.Queue[EngineChunk | BaseException]] = {}
         self.routes: dict[str, str] = {}  # request id -> the replica whose channel carries it
         self.readers: dict[str, asyncio.Task] = {}  # replica id -> its channel's reader (opening or open)
+        self.not_before: dict[str, float] = {}  # replica id -> when to try again after its channel failed
 
     def subscribe(self, request_id: str) -> asyncio.Queue[EngineChunk | BaseException]:
         queue = self.queues[request_id] = asyncio.Queue()
@@ -51,8 +53,9 @@ class ChannelInbox:
 
     def ensure(self, replica_id: str) -> None:
         """A channel from `replica_id`, opened in the background unless one is open or opening."""
-        if replica_id not in self.readers:
-            self.readers[replica_id] = asyncio.get_running_loop().create_task(self._read(replica_id))
+        loop = asyncio.get_running_loop()
+        if replica_id not in self.readers and loop.time() >= self.not_before.get(replica_id, 0.0):
+            self.readers[replica_id] = loop.create_task(self._read(replica_id))
 
     async def chunks(self, request_id: str, replica_id: str,
                      response: DeploymentResponseGenerator) -> AsyncIterator[EngineChunk]:
@@ -111,6 +114,7 @@ class ChannelInbox:
         finally:
             if not ended:
                 stream.cancel()
+                self.not_before[replica_id] = asyncio.get_running_loop().time() + CHANNEL_RETRY_AFTER_S
             del self.readers[replica_id]
             self._fail_routed(replica_id, lost or EngineUnavailableError(
                 f"the channel from engine replica {replica_id} ended"))

@@ -1,9 +1,9 @@
 """Engine replica -> ingress replica token channels (separate placement): one Ray stream per pair, not per request.
 
-A Ray streaming item costs about 0.6 ms of CPU between two processes on the 2-core bench VM (a Serve handle
-stream and a bare actor stream alike; /tmp-free microbenchmark in docs/bench_notes.md). Streamed per request, a
-32-stream decode sends one item per request per engine step; through a channel it sends one item per step for all
-the requests of one ingress replica.
+A streamed item costs about 0.6 ms of CPU between two processes on the 2-core bench VM over Ray object refs (a
+Serve handle stream and a bare actor stream alike) and 0.27 ms over Serve's gRPC (docs/bench_notes.md has the
+script). Streamed per request, a 32-stream decode sends one item per request per engine call; through a channel,
+one item per call for all the requests of one ingress replica.
 
 * `ChannelHost` (engine side) keeps one `ChannelOutbox` per ingress replica that opened a channel here
   (`DSAEngine.channel`). `DSAEngine.generate(request, ingress_id)` first yields a `ChannelRoute` (which replica
@@ -15,7 +15,9 @@ the requests of one ingress replica.
 * A channel with no request for `idle_close_s` ends itself: Serve counts an open channel as an ongoing request,
   and a replica Serve stops waits for its ongoing requests (drain_timeout_s). The ingress opens it again on
   demand.
-* `ChannelRouter` (Serve's power-of-two router otherwise) sends a `channel` call to the replica it names.
+* `ChannelRouter` (Serve's power-of-two router otherwise) sends a `channel` call to the replica it names. A
+  config that sets its own request_router_config for DSAEngine replaces it: a channel that then reaches another
+  replica is refused, and that replica's requests keep streaming on their own streams (slower, same tokens).
 The ingress side is cluster/channel_inbox.py.
 """
 

@@ -81,13 +81,12 @@ def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
 QUIET = {"enable_access_log": False}
-# Replicas run their app and step loop on their main event loop, not a thread of Serve's own (no ASGI message or
-# rank result crosses loops), and the ingress's engine handle routes there too. 2-core bench VM, HTTP / in-process:
-# colocated 32 streams 0.79x -> 0.89x; separate, one stream, TTFT 1.41x -> 1.05-1.15x (docs/bench_notes.md).
-# A config file's own ray_actor_options for a deployment replace these.
-SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
-HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {**SAME_LOOP, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}}
-ENGINE_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": SAME_LOOP}}
+# HTTP replicas run their app (colocated: and the step loop) on their main event loop, not a thread of Serve's
+# own, and the ingress's engine handle routes on that loop too. 2-core bench VM, HTTP / in-process: colocated 32
+# streams 0.79x -> 0.89x; the ingress's router there: TTFT at one stream 1.22x against 1.34x (mean of A/B runs,
+# docs/bench_notes.md). The engine replica keeps Serve's thread. A config's own ray_actor_options replace these.
+HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                                                             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}}
 
 
 def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointText) -> GenerationEngine:
@@ -284,7 +283,6 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
     engine = DSAEngine.options(placement_group_bundles=engine_bundles(args),
                                placement_group_strategy=args.placement_strategy,
                                request_router_config=RequestRouterConfig(request_router_class=ChannelRouter),
-                               ray_actor_options=ENGINE_REPLICA_ACTOR_OPTIONS,
                                max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(args)
     return DSAIngress.options(ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS, max_ongoing_requests=ingress_cap,
                               **drain).bind(engine, args)
