@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.engine_channel import ChannelOpened
+from cp_router.detached import detached_task
 from cp_router.protocol import EngineChunk, EngineUnavailableError, one_line
 
 logger = logging.getLogger("dsa_serve.ingress")
@@ -53,9 +54,8 @@ class ChannelInbox:
 
     def ensure(self, replica_id: str) -> None:
         """A channel from `replica_id`, opened in the background unless one is open or opening."""
-        loop = asyncio.get_running_loop()
-        if replica_id not in self.readers and loop.time() >= self.not_before.get(replica_id, 0.0):
-            self.readers[replica_id] = loop.create_task(self._read(replica_id))
+        if replica_id not in self.readers and asyncio.get_running_loop().time() >= self.not_before.get(replica_id, 0):
+            self.readers[replica_id] = detached_task(self._read(replica_id))  # outlives the request that opened it
 
     async def chunks(self, request_id: str, replica_id: str,
                      response: DeploymentResponseGenerator) -> AsyncIterator[EngineChunk]:

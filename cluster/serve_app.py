@@ -29,6 +29,7 @@ and waits for their streams, since serve.shutdown() stops the proxies too.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
@@ -118,6 +119,8 @@ class DSAEngine:
         text = load_checkpoint_text(resolve_model_dir(args.model), args.chat_template)
         self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, text)
         self.channels = ChannelHost(serve.get_replica_context().replica_id.unique_id)
+        logging.getLogger("dsa_serve.engine").info("engine replica %s ready (pid %d)", self.channels.replica_id,
+                                                   os.getpid())
 
     async def generate(self, request: EngineRequest, ingress_id: str | None = None) -> AsyncIterator[object]:
         """`ChannelRoute`, then the request's chunks here or on `ingress_id`'s channel (cluster/engine_channel.py)."""

@@ -13,11 +13,11 @@ per-rank timings, logits and page tables there.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
+from cp_router.detached import detached_task
 from cp_router.engine_monitor import EngineMonitor
 from cp_router.engine_stats import EngineStats
 from cp_router.metrics import ServeMetrics
@@ -138,11 +138,7 @@ class GenerationEngine:
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
-            # In a context of its own: created from a request's context, the loop would carry that request's
-            # identity (Ray's current task), so cancelling that one request (its client left) would cancel the
-            # rank steps of every request in flight.
-            loop = asyncio.get_running_loop()
-            self._task = contextvars.Context().run(loop.create_task, self._loop())
+            self._task = detached_task(self._loop())  # not cancelled with the request that started it
 
     def _poke(self) -> None:
         if self._wake is not None:

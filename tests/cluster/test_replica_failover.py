@@ -51,24 +51,25 @@ async def stream(http: httpx.AsyncClient, index: int, started: asyncio.Event) ->
 
 
 async def queued_per_replica(http: httpx.AsyncClient) -> dict[str, float]:
-    """Requests waiting for admission on each engine replica, from the merged /metrics."""
+    """Requests waiting for admission on each engine replica (by Serve replica id), from the merged /metrics."""
     text = (await http.get("/metrics")).text
     waiting = re.findall(r'^dsa_serve:num_requests_waiting\{([^}]*)\} (\S+)$', text, re.MULTILINE)
-    return {re.search(r'replica="([^"]*)"', labels).group(1): float(value) for labels, value in waiting}
+    return {re.search(r'replica="engine-([^"]*)"', labels).group(1): float(value) for labels, value in waiting}
 
 
-async def wait_until_every_replica_queues(http: httpx.AsyncClient, replicas: int, timeout_s: float = 60) -> None:
-    """Until Serve's router has placed a waiting request on each engine replica (it routes as replicas answer
-    its queue-length probes; a kill before that would find nothing queued on the killed one)."""
+async def replica_with_waiting_requests(http: httpx.AsyncClient, log_path, timeout_s: float = 60) -> int:
+    """The pid of an engine replica with at least two requests waiting for admission (so none of them can
+    start streaming before it is killed). Serve's router does not always spread a burst over both replicas."""
+    pids = dict(re.findall(r"engine replica (\S+) ready \(pid (\d+)\)", log_path.read_text()))
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         queued = await queued_per_replica(http)
-        if sum(1 for count in queued.values() if count >= 1) >= replicas:
-            return
+        busy = [replica for replica, count in queued.items() if count >= 2 and replica in pids]
+        if busy:
+            return int(pids[busy[0]])
         if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"Serve's router did not queue a request on each of {replicas} engine replicas within "
-                        f"{timeout_s} s: waiting per replica {queued}")
-        await asyncio.sleep(0.2)
+            pytest.fail(f"no engine replica held two waiting requests within {timeout_s} s: {queued}, pids {pids}")
+        await asyncio.sleep(0.1)
 
 
 def test_the_first_requests_client_leaving_fails_no_other_request(server):
@@ -109,8 +110,9 @@ def test_killing_an_engine_replica_retries_its_queued_requests_elsewhere(server)
                 await asyncio.wait_for(started.wait(), 120)
             except asyncio.TimeoutError:
                 pytest.fail(f"no stream started within 120 s:\n{log_path.read_text()[-4000:]}")
-            await wait_until_every_replica_queues(http, len(engines))
-            os.kill(engines[0], signal.SIGKILL)
+            victim = await replica_with_waiting_requests(http, log_path)
+            assert victim in engines, (victim, engines)
+            os.kill(victim, signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(run())
@@ -123,8 +125,7 @@ def test_killing_an_engine_replica_retries_its_queued_requests_elsewhere(server)
         if not r["errors"]:
             assert r["finish"] == "length", results
     assert wait_for_log(log_path, "died before its first chunk"), "no queued request was retried"
-    opened = set(re.findall(r"channel from engine replica (\S+) open", log_path.read_text()))
-    assert len(opened) >= 2, f"the ingress should have had a channel to each engine replica: {opened}"
+    assert "channel from engine replica" in log_path.read_text(), "the chunks never came over a channel"
     with httpx.Client(base_url=base_url, timeout=120) as http:
         again = http.post("/v1/completions", json={"model": "default_model", "prompt": "x", "max_tokens": 2})
         assert again.status_code == 200
