@@ -2,9 +2,9 @@
 
 * `generate` opens a streaming call (`handle.options(stream=True)`); Serve routes it to one engine replica
   and the client keeps that call's response object under the request id. The chunks come on that call's
-  stream, or, once that replica has a channel to this ingress, on the channel (cluster/channel_inbox.py). A replica that dies before the
-  request's first chunk (queued there, or prefilling) costs nothing the client saw: the call is made again and
-  Serve routes it to a live replica. One that dies after the stream started ends it with
+  stream, or, once that replica has a channel to this ingress, on the channel (cluster/channel_inbox.py).
+  A replica that dies before the request's first chunk (queued there, or prefilling) costs nothing the client
+  saw: the call is made again and Serve routes it to a live replica. One that dies after the stream started ends it with
   `EngineUnavailableError` (an SSE error event naming the cause): the tokens it held are gone with it.
 * `abort(request_id)` cancels that response: Serve delivers the cancellation to the replica that owns the
   request, whose engine stream then aborts the request and frees its KV pages. So aborts need no routing of
