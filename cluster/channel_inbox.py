@@ -44,9 +44,8 @@ class ChannelInbox:
         self.readers: dict[str, asyncio.Task] = {}  # replica id -> its channel's reader (opening or open)
         self.not_before: dict[str, float] = {}  # replica id -> when to try again after its channel failed
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[EngineChunk | BaseException]:
-        queue = self.queues[request_id] = asyncio.Queue()
-        return queue
+    def subscribe(self, request_id: str) -> None:
+        self.queues[request_id] = asyncio.Queue()
 
     def unsubscribe(self, request_id: str) -> None:
         self.queues.pop(request_id, None)

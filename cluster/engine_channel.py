@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from cp_router.protocol import EngineChunk, EngineRequest, EngineUnavailableError
+from cp_router.protocol import EngineChunk, EngineUnavailableError
 
 CHANNEL_METHOD = "channel"  # the DSAEngine method ChannelRouter routes by its `target_replica` argument
 CHANNEL_IDLE_CLOSE_S = 5.0
@@ -110,10 +110,10 @@ class ChannelHost:
             if self.outboxes.get(ingress_id) is outbox:
                 del self.outboxes[ingress_id]
 
-    async def generate(self, chunks: AsyncIterator[EngineChunk], request: EngineRequest,
+    async def generate(self, chunks: AsyncIterator[EngineChunk], request_id: str,
                        ingress_id: str | None) -> AsyncIterator[object]:
-        """`ChannelRoute`, then the engine's chunks for `request`: into the ingress's outbox when it has a channel
-        here, else on this stream."""
+        """`ChannelRoute`, then the engine's chunks of request `request_id`: into the ingress's outbox when it has a
+        channel here, else on this stream."""
         outbox = self.outboxes.get(ingress_id) if ingress_id is not None else None
         if outbox is None:
             yield ChannelRoute(self.replica_id, False)
@@ -125,7 +125,7 @@ class ChannelHost:
             yield ChannelRoute(self.replica_id, True)
             async with aclosing(chunks):  # a closed outbox raises here: the engine's stream then aborts
                 async for chunk in chunks:
-                    outbox.put(request.request_id, chunk)
+                    outbox.put(request_id, chunk)
         finally:
             outbox.users -= 1
 

@@ -124,7 +124,7 @@ class DSAEngine:
 
     async def generate(self, request: EngineRequest, ingress_id: str | None = None) -> AsyncIterator[object]:
         """`ChannelRoute`, then the request's chunks here or on `ingress_id`'s channel (cluster/engine_channel.py)."""
-        async for item in self.channels.generate(self.engine.generate(request), request, ingress_id):
+        async for item in self.channels.generate(self.engine.generate(request), request.request_id, ingress_id):
             yield item
 
     async def channel(self, ingress_id: str, target_replica: str) -> AsyncIterator[object]:

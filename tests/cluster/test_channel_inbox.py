@@ -10,7 +10,7 @@ import pytest
 
 from cluster.channel_inbox import ChannelInbox
 from cluster.engine_channel import ChannelHost, ChannelRoute
-from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, EngineUnavailableError
+from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineUnavailableError
 
 
 class Stream:
@@ -54,10 +54,6 @@ def chunks_of(count: int, delay_s: float = 0.0, error: BaseException | None = No
     return chunks()
 
 
-def request(request_id: str) -> EngineRequest:
-    return EngineRequest(request_id, (1, 2), max_tokens=4)
-
-
 async def open_inbox(host: ChannelHost) -> ChannelInbox:
     inbox = ChannelInbox(StreamHandle(host))
     inbox.ensure(host.replica_id)
@@ -69,7 +65,7 @@ async def open_inbox(host: ChannelHost) -> ChannelInbox:
 async def send(inbox: ChannelInbox, host: ChannelHost, request_id: str, chunks) -> list[EngineChunk]:
     """What ServeEngineClient._one_attempt does with a request the engine routed through the channel."""
     inbox.subscribe(request_id)
-    response = Stream(host.generate(chunks, request(request_id), inbox.ingress_id))
+    response = Stream(host.generate(chunks, request_id, inbox.ingress_id))
     route = await response.__anext__()
     assert route == ChannelRoute(host.replica_id, True)
     try:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from cluster.engine_channel import ChannelHost, ChannelOpened, ChannelRoute
-from cp_router.protocol import EngineChunk, EngineRequest, EngineUnavailableError
+from cp_router.protocol import EngineChunk, EngineUnavailableError
 
 
 def chunk(token: int, finish: str | None = None) -> EngineChunk:
@@ -36,10 +36,6 @@ class ScriptedStream:
             self.aborted = not finished
 
 
-def request(request_id: str) -> EngineRequest:
-    return EngineRequest(request_id, (1, 2, 3), max_tokens=2)
-
-
 async def collect(iterator) -> list:
     return [item async for item in iterator]
 
@@ -49,7 +45,7 @@ def test_without_a_channel_the_chunks_follow_the_route_on_the_request_stream():
         host, stream = ChannelHost("replica-a"), ScriptedStream()
         stream.push(chunk(1))
         stream.push(chunk(2, "length"))
-        return await collect(host.generate(stream.chunks(), request("r1"), "ingress-1"))
+        return await collect(host.generate(stream.chunks(), "r1", "ingress-1"))
 
     assert asyncio.run(run()) == [ChannelRoute("replica-a", False), chunk(1), chunk(2, "length")]
 
@@ -60,7 +56,7 @@ def test_with_a_channel_one_batch_carries_what_one_step_pushed_for_every_request
         channel = host.channel("ingress-1", "replica-a")
         assert await channel.__anext__() == ChannelOpened("replica-a")
         streams = {rid: ScriptedStream() for rid in ("r1", "r2")}
-        own = {rid: asyncio.create_task(collect(host.generate(s.chunks(), request(rid), "ingress-1")))
+        own = {rid: asyncio.create_task(collect(host.generate(s.chunks(), rid, "ingress-1")))
                for rid, s in streams.items()}
         await asyncio.sleep(0)
         batches = []
@@ -82,7 +78,7 @@ def test_a_channel_closes_when_idle_but_not_under_a_request():
         channel = host.channel("ingress-1", "replica-a")
         await channel.__anext__()
         stream = ScriptedStream()
-        own = asyncio.create_task(collect(host.generate(stream.chunks(), request("r1"), "ingress-1")))
+        own = asyncio.create_task(collect(host.generate(stream.chunks(), "r1", "ingress-1")))
         await asyncio.sleep(0.2)  # four idle periods with a request in flight: still open
         stream.push(chunk(1, "length"))
         batch = await channel.__anext__()
@@ -100,7 +96,7 @@ def test_a_closed_channel_aborts_the_requests_routed_through_it():
         channel = host.channel("ingress-1", "replica-a")
         await channel.__anext__()
         stream = ScriptedStream()
-        own = host.generate(stream.chunks(), request("r1"), "ingress-1")
+        own = host.generate(stream.chunks(), "r1", "ingress-1")
         assert await own.__anext__() == ChannelRoute("replica-a", True)
         await channel.aclose()  # the ingress went away
         stream.push(chunk(1))
