@@ -43,6 +43,7 @@ class EngineOptions:
     max_queued_requests: int = 4096  # waiting requests before new ones get EngineOverloadedError (503)
     deterministic: bool = False  # --enable-deterministic-inference: batch-invariant ranks (batch_invariant.py)
     speculative_token_map: str = "auto"  # the draft head's vocabulary: auto, none or a file (draft_vocab.py)
+    time_prefill_phases: bool = False  # ranks time prefill steps by phase (`bench prefill`; ~2 ms a step)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
@@ -68,7 +69,7 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
     return Scheduler(SchedulerConfig(
         cp.cp_size, options.num_pages, options.page_size, budget, strategy, cp.impl,
         options.num_speculative_steps, options.max_steps_per_call, options.return_logits, cp.expert_parallel,
-        options.max_num_seqs, options.cp_min_prefill_tokens,
+        options.max_num_seqs, options.cp_min_prefill_tokens, options.time_prefill_phases,
     ))
 
 

@@ -69,6 +69,9 @@ class StepPlan:
     free: tuple[str, ...] = ()  # requests whose rank-side state (MTP draft state) is dropped before anything else
     num_steps: int = 1  # decode steps run inside this one call (the engine saves Ray round trips)
     num_speculative_steps: int = 0  # k MTP draft tokens verified per decode step (0: plain decode)
+    # Time this step's prefill by phase (`StepResult.prefill_phase_s`; `bench prefill`). Off when serving: the
+    # hooks cost about 2 ms a prefill step (13% of a one-request short prefill on the bench VM).
+    time_prefill_phases: bool = False
     # Expert parallelism (lockstep): rows each rank brings to this step's prefill forward (() = none / no EP),
     # and whether the group decodes this step (a rank without requests of its own joins with zero rows).
     group_prefill_rows: tuple[int, ...] = ()
@@ -104,7 +107,7 @@ class StepResult:
     kv_comm_bytes: int = 0  # part of comm_bytes moved by the per-layer KV / indexer-key gathers
     comm_bytes_by_tag: dict[str, int] = field(default_factory=dict)  # comm_bytes by CommStats tag
     num_collectives: int = 0
-    prefill_phase_s: dict[str, float] = field(default_factory=dict)  # prefill time by phase (PhaseClock)
+    prefill_phase_s: dict[str, float] = field(default_factory=dict)  # by phase, when the plan asked (PhaseClock)
     peak_rss_bytes: int = 0  # the worker process's peak resident memory so far
     decode_model_s: dict[str, float] = field(default_factory=dict)  # decode forwards: plain / draft / verify
     decode_steps: dict[str, int] = field(default_factory=dict)  # decode steps run: plain / speculative

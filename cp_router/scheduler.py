@@ -45,6 +45,7 @@ class SchedulerConfig:
     expert_parallel: bool = False  # ep_size = cp_size: every rank takes part in every forward (lockstep)
     max_num_seqs: int = 256  # requests admitted at once (prefilling or decoding); the rest wait
     cp_min_prefill_tokens: int = 0  # a batch of fewer new prompt tokens runs data parallel (scheduler_prefill.uses_cp)
+    time_prefill_phases: bool = False  # prefill steps timed by phase (StepPlan.time_prefill_phases; benchmarks)
 
 
 @dataclass
@@ -138,7 +139,8 @@ class Scheduler:
         for cp_rank, shard in shards.items():
             plans[cp_rank] = StepPlan(prefill=shard, decode=plans.get(cp_rank, StepPlan()).decode,
                                       return_logits=cfg.return_logits, num_steps=num_steps,
-                                      num_speculative_steps=cfg.num_speculative_steps)
+                                      num_speculative_steps=cfg.num_speculative_steps,
+                                      time_prefill_phases=cfg.time_prefill_phases)
         if cfg.expert_parallel and (shards or decoding):
             plans = self._lockstep_plans(plans, shards, bool(decoding), num_steps)
         for cp_rank, request_ids in self.pending_free.items():

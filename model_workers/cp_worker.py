@@ -154,9 +154,10 @@ class CPWorker:
         result = StepResult(cp_rank=self.cp_rank)
         if plan.prefill is not None:
             clock = PhaseClock()
-            with clock.attached(self.runner.model, self.backend):
+            with clock.attached(self.runner.model, self.backend) if plan.time_prefill_phases else nullcontext():
                 result.outputs.update(self._prefill(plan.prefill, plan.return_logits, plan.group_prefill_rows))
-            result.prefill_phase_s = clock.split(time.perf_counter() - start, self.comm.stats.seconds)
+            if plan.time_prefill_phases:
+                result.prefill_phase_s = clock.split(time.perf_counter() - start, self.comm.stats.seconds)
         elif plan.group_prefill_rows:
             self._join_prefill(plan.group_prefill_rows)
         if plan.decode or plan.group_decode:

@@ -104,7 +104,8 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
 
     options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64,
                             threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"),
-                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference)
+                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
+                            time_prefill_phases=True)
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                          threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype,
                          deterministic=options.deterministic)

@@ -169,3 +169,20 @@ def test_generated_counts_emitted_tokens_only_across_chunked_prefills(default_mo
     engine = local_engine(default_model, options(0))  # 32-token prefill chunks: the 70- and 40-token prompts split
     results = run_all(engine, requests)
     assert engine.stats.generated == sum(len(r["token_ids"]) for r in results) == 9
+
+
+def test_prefill_phases_are_timed_only_when_asked(default_model):
+    from model_workers.phase_clock import PHASES
+
+    requests = make_requests([40], 2, 6000, prompt_seed=3, temperature=0.0, ignore_eos=True)  # two prefill chunks
+    splits = {}
+    for timed in (False, True):
+        engine = local_engine(default_model, options(time_prefill_phases=timed))
+        seen = []
+        engine.add_step_observer(lambda step, results: step.prefill and seen.extend(r.prefill_phase_s for r in results))
+        tokens = run_all(engine, requests)[0]["token_ids"]
+        splits[timed] = (seen, tokens)
+    (untimed, plain_tokens), (timed, timed_tokens) = splits[False], splits[True]
+    assert len(untimed) == len(timed) == 2 and timed_tokens == plain_tokens
+    assert untimed == [{}, {}]  # serving: no hooks on the model
+    assert all(set(split) == set(PHASES) and split["attention"] > 0 and split["mlp"] > 0 for split in timed)
