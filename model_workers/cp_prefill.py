@@ -86,8 +86,10 @@ def topk_positions_global(
     return gather_rows_global(ctx.comm, meta, positions_local, "topk", fill_value=-1)  # [N, k]
 
 
-def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -> dict[str, RequestOutput]:
-    """Runs this rank's shard; returns the outputs of the requests this rank owns."""
+def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool,
+                with_draft: bool = True) -> dict[str, RequestOutput]:
+    """Runs this rank's shard; returns the outputs of the requests this rank owns. `with_draft`: the MTP layer runs
+    too (`drafts_needed`), filling each output's draft and the owner's draft state."""
     meta, model = shard.meta, ctx.model
     if isinstance(ctx.backend.cache, V4Cache):
         batch = cp_v4_batch(ctx.backend.cache, ctx.tables, meta, ctx.device)
@@ -120,9 +122,16 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool) -
                 out.logprobs = [token_logprob(logits[s], token, req.sampling.logprobs)]
             outputs[req.request_id] = out
     score_prompt(ctx, shard, hidden_global, outputs)
-    if model.num_mtp_layers > 0:
+    if with_draft and model.num_mtp_layers > 0:
         run_mtp_prefill(ctx, shard, batch, hidden_local, sampled, outputs, return_logits)
     return outputs
+
+
+def drafts_needed(num_speculative_steps: int, return_logits: bool) -> bool:
+    """Whether a prefill step runs the MTP layer: for speculation (its first draft, the draft state) or to ship the
+    draft logits (return_logits). Without either nothing reads its output or its KV rows, and it is one layer in five
+    of the default model's prefill."""
+    return num_speculative_steps > 0 or return_logits
 
 
 def next_token(logits: torch.Tensor, req, eos_ids: tuple[int, ...], history) -> int:

@@ -23,7 +23,7 @@ from model_workers.backends.cp_backend import CPBackend
 from model_workers.checkpoint.draft_vocab import resolve_token_map
 from model_workers.checkpoint.loader import LoadReport, load_model_with_report
 from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, free_port
-from model_workers.cp_prefill import PrefillContext, run_prefill
+from model_workers.cp_prefill import PrefillContext, drafts_needed, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
 from model_workers.host_memory import bound_onednn_caches, keep_large_allocations_on_heap, release_free_heap
@@ -155,11 +155,12 @@ class CPWorker:
         if plan.prefill is not None:
             clock = PhaseClock()
             with clock.attached(self.runner.model, self.backend) if plan.time_prefill_phases else nullcontext():
-                result.outputs.update(self._prefill(plan.prefill, plan.return_logits, plan.group_prefill_rows))
+                result.outputs.update(self._prefill(plan.prefill, plan.return_logits, plan.group_prefill_rows,
+                                                    drafts_needed(plan.num_speculative_steps, plan.return_logits)))
             if plan.time_prefill_phases:
                 result.prefill_phase_s = clock.split(time.perf_counter() - start, self.comm.stats.seconds)
         elif plan.group_prefill_rows:
-            self._join_prefill(plan.group_prefill_rows)
+            self._join_prefill(plan.group_prefill_rows, drafts_needed(plan.num_speculative_steps, plan.return_logits))
         if plan.decode or plan.group_decode:
             clock = DecodeClock()
             result.outputs.update(self._decode(plan, clock))
@@ -226,15 +227,15 @@ class CPWorker:
         self.comm.destroy()
 
     @torch.inference_mode()
-    def _prefill(self, shard: PrefillShard, return_logits: bool,
-                 group_rows: tuple[int, ...]) -> dict[str, RequestOutput]:
+    def _prefill(self, shard: PrefillShard, return_logits: bool, group_rows: tuple[int, ...],
+                 with_draft: bool) -> dict[str, RequestOutput]:
         comm = self.comm if shard.meta.cp_size > 1 else LocalComm()
         if self.exchange is not None:  # target and MTP forward alike: this batch's rows on every rank
             self.runner.begin_forward(0, True, self._prefill_rows(group_rows, shard.meta))
         tables = [PageTable(list(pages), prefix) for pages, prefix in zip(shard.page_tables, shard.meta.prefix_lens)]
         ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size,
                              self.device)
-        outputs = run_prefill(ctx, shard, return_logits)
+        outputs = run_prefill(ctx, shard, return_logits, with_draft)
         for req, pages in zip(shard.requests, shard.page_tables):  # the owner keeps what decoding needs
             if not req.final_chunk:
                 self.prefilling[req.request_id] = pages[:1]
@@ -255,11 +256,11 @@ class CPWorker:
         return dp_forward_rows(list(group_rows), self.cp_rank, is_extend=True)
 
     @torch.inference_mode()
-    def _join_prefill(self, group_rows: tuple[int, ...]) -> None:
-        """Another rank prefills alone: join its target forward's and MTP forward's expert exchanges."""
+    def _join_prefill(self, group_rows: tuple[int, ...], with_draft: bool) -> None:
+        """Another rank prefills alone: join its target forward's (and MTP forward's) expert exchanges."""
         self.runner.begin_forward(0, True, self._prefill_rows(group_rows, None))
         self.runner.model.join_experts(self.backend)
-        if self.runner.model.num_mtp_layers > 0:
+        if with_draft and self.runner.model.num_mtp_layers > 0:
             self.runner.model.join_experts(self.backend, 0)
 
     @torch.inference_mode()

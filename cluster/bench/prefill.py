@@ -102,7 +102,8 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
     from cluster.launch import launch_group
     from cp_router.cp.padding import ceil_div
 
-    options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64,
+    # speculation on (k = 1, which a one-token request never uses): the MTP layer is prefilled, as the FLOP count has it
+    options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64, num_speculative_steps=1,
                             threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"),
                             kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
                             time_prefill_phases=True)

@@ -186,3 +186,18 @@ def test_prefill_phases_are_timed_only_when_asked(default_model):
     assert len(untimed) == len(timed) == 2 and timed_tokens == plain_tokens
     assert untimed == [{}, {}]  # serving: no hooks on the model
     assert all(set(split) == set(PHASES) and split["attention"] > 0 and split["mlp"] > 0 for split in timed)
+
+
+def test_prefill_runs_the_mtp_layer_only_for_speculation_or_shipped_logits(default_model):
+    requests = make_requests([9, 4], 3, 6000, prompt_seed=5, temperature=0.0, ignore_eos=True)
+    drafts, tokens = {}, {}
+    for k, logits in ((0, False), (1, False), (0, True)):
+        engine = local_engine(default_model, options(k=k, return_logits=logits))
+        seen = []
+        engine.add_step_observer(lambda step, results: step.prefill and seen.extend(
+            out.draft_token_id for r in results for out in r.outputs.values()))
+        tokens[k, logits] = [r["token_ids"] for r in run_all(engine, requests)]
+        drafts[k, logits] = seen
+    assert drafts[0, False] == [None, None]  # no speculation: nothing reads the MTP layer's output or KV rows
+    assert all(d is not None for d in drafts[1, False] + drafts[0, True])
+    assert tokens[0, False] == tokens[1, False] == tokens[0, True]
