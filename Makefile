@@ -28,7 +28,7 @@ DSA := $(VENV)/bin/dsa-serve
 bench: install
 	mkdir -p $(BENCH_DIR)
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 1024,2048,4096,8192,16384 --repeats 3 --json > $(BENCH_DIR)/prefill_zigzag.json
-	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 32768 --json > $(BENCH_DIR)/prefill_zigzag_32k.json
+	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 32768 --repeats 3 --json > $(BENCH_DIR)/prefill_zigzag_32k.json
 	$(DSA) bench prefill --cp-size 2 --cp-strategy interleave --cp-impl v2 --prompt-len 8192,16384 --repeats 3 --skip-equal-cores --json > $(BENCH_DIR)/prefill_interleave.json
 	$(DSA) bench attention --json > $(BENCH_DIR)/attention.json
 	$(DSA) bench decode --json > $(BENCH_DIR)/decode.json
