@@ -102,12 +102,14 @@ def test_speculation_and_owner_prefill_are_lossless_under_ep(cluster, moe12, cp_
     _, plain = cp_prefill(cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size), prompts,
                           max_tokens=10)
     assert plain[0]["token_ids"] == reference_greedy(ref, prompts[0], 10)
-    for k, cp_min in [(1, 0), (2, 0), (1, 10_000)]:  # 10_000: no CP, each owner prefills its prompts, the rest join
+    # cp_min 10_000: no CP, each owner prefills its prompts, the rest join; k = 0 without logits: no rank runs the
+    # MTP layer (nothing reads it), the joining ranks skip its expert exchanges too
+    for k, cp_min, logits in [(1, 0, True), (2, 0, True), (1, 10_000, True), (0, 10_000, False)]:
         engine = cluster.engine(cp_size, folder, "zigzag", "legacy", ep_size=cp_size, num_speculative_steps=k,
-                                cp_min_prefill_tokens=cp_min)
+                                cp_min_prefill_tokens=cp_min, return_logits=logits)
         run, results = cp_prefill(engine, prompts, max_tokens=10)
         assert [r["token_ids"] for r in results] == [r["token_ids"] for r in plain], f"k={k}, cp_min={cp_min}"
-        assert engine.stats.drafted > 0
+        assert engine.stats.drafted > 0 if k else all(out.draft_token_id is None for out in run.outputs.values())
         if cp_min:
             assert run.cp_size_used == 1 and len(set(run.owners.values())) == min(cp_size, len(prompts))
         assert_drained(engine)
