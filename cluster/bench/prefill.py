@@ -3,7 +3,9 @@
 Per length L, three CP groups prefill the same random prompt (one output token): C = 1 with 1 thread, C = 1
 with C threads (the same cores as the CP run) and C ranks with 1 thread each. Each group is driven by the
 engine twice: the served path (the prompt chunked into prefill batches of serve's default, 2048 tokens per CP rank,
-as `serve` runs it; the headline numbers) and one unchunked batch (`one_batch`). Reported: strong-scaling efficiency
+as `serve` runs it; the headline numbers) and one unchunked batch (`one_batch`). The groups run at the same time
+and take turns, prefill by prefill, so that a machine whose speed drifts weighs on every group alike (one group
+after another, the C = 1 and the CP runs of one length were minutes apart). Reported: strong-scaling efficiency
 T(C=1, 1 thread) / (C · T(C)), equal-cores ratio T(C=1, C threads) / T(C), per-rank compute and its imbalance
 (measured, and the causal-work model for zigzag / interleave / a contiguous split), the time split per phase,
 KV gather bytes next to the formula, peak RSS per rank and KV bytes per token.
@@ -90,14 +92,33 @@ def kv_bytes_per_token_formula(hf_config: dict, dtype: str, kv_cache_dtype: str 
     return kv_bytes_per_token(parse_model_config(hf_config), dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
 
 
-def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]], args, repeats: int,
-               paths: tuple[str, ...] = tuple(PATHS)) -> dict:
-    """One CP group (C ranks, `threads` each) prefilling every length on each of `paths`, shortest first.
+def run_configs(model_dir: Path, configs: list[tuple], prompts: dict[int, list[int]], args, repeats: int,
+                paths: tuple[str, ...] = tuple(PATHS)) -> list[dict]:
+    """Each config (cp, threads: a CP group of C ranks, `threads` each) launched once, then every length prefilled
+    on each of `paths`, shortest first, the configs taking turns (`interleaved_prefills`). One dict per config.
     `args` gives dtype, device, kv_cache_dtype and enable_deterministic_inference (`bench prefill`'s flags)."""
     import ray
 
-    from cluster.bench.prefill_runs import served_and_one_batch
+    from cluster.bench.prefill_runs import interleaved_prefills
     from cluster.engine_limits import prefill_chunk_tokens
+
+    launched = []
+    try:
+        for cp, threads in configs:
+            launched.append((cp, threads, *launch_config(model_dir, cp, threads, prompts, args)))
+        timed = interleaved_prefills(model_dir, [(cp, group.workers, options) for cp, _, group, options in launched],
+                                     prompts, repeats, paths)
+        return [{"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": paths_timed,
+                 "kv_bytes_per_token": ray.get(group.workers[0].kv_bytes_per_token.remote()),
+                 "prefill_chunk_tokens": prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)}
+                for (cp, threads, group, options), paths_timed in zip(launched, timed)]
+    finally:
+        for _, _, group, _ in launched:
+            group.shutdown()
+
+
+def launch_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]], args) -> tuple:
+    """(the launched CP group, its EngineOptions) for one config, cache sized for the longest prompt."""
     from cluster.engine_setup import EngineOptions
     from cluster.launch import launch_group
     from cp_router.cp.padding import ceil_div
@@ -110,13 +131,7 @@ def run_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]],
     group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
                          threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype,
                          deterministic=options.deterministic)
-    try:
-        timed = served_and_one_batch(model_dir, cp, group.workers, options, prompts, repeats, paths)
-        kv_per_token = ray.get(group.workers[0].kv_bytes_per_token.remote())
-        return {"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": timed, "kv_bytes_per_token": kv_per_token,
-                "prefill_chunk_tokens": prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)}
-    finally:
-        group.shutdown()
+    return group, options
 
 
 def modeled_imbalance(length: int, cp_size: int, impl: str) -> dict[str, float]:
@@ -189,11 +204,11 @@ def run_prefill(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, hf_config["vocab_size"], (n,), generator=generator).tolist() for n in lengths}
     single_cp = ResolvedCPConfig(enabled=False, cp_size=1, strategy=cp.strategy, impl=cp.impl)
-    with ray_session(engine_cpus(cp.cp_size), args.ray_address):
-        single = run_config(model_dir, single_cp, 1, prompts, args, args.repeats)
-        equal = None if args.skip_equal_cores or cp.cp_size == 1 else run_config(model_dir, single_cp, cp.cp_size,
-                                                                                  prompts, args, args.repeats)
-        ranks = run_config(model_dir, cp, 1, prompts, args, args.repeats)
+    with_equal = not args.skip_equal_cores and cp.cp_size > 1
+    configs = [(single_cp, 1)] + ([(single_cp, cp.cp_size)] if with_equal else []) + [(cp, 1)]
+    with ray_session(sum(engine_cpus(c.cp_size) for c, _ in configs), args.ray_address):  # all groups at once
+        timed = run_configs(model_dir, configs, prompts, args, args.repeats)
+    single, equal, ranks = timed[0], (timed[1] if with_equal else None), timed[-1]
     flop_setup = checkpoint_flop_config(model_dir), gemm_rates(cp.cp_size, 1)  # Ray is down: nothing else runs
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from cluster.engine_limits import prefill_chunk_tokens
-from cluster.engine_setup import EngineOptions, collect, engine_over_workers
+from cluster.engine_setup import collect, engine_over_workers
 from cp_router.cp.balance import max_over_mean
 from cp_router.plans import StepResult
 from cp_router.protocol import EngineRequest
@@ -69,20 +69,34 @@ async def _prefill_once(engine, prompt: list[int], request_id: str) -> dict:
 
 def time_prefills(engine, prompt: list[int], repeats: int, tag: str) -> dict:
     """Median (by wall time) of `repeats` prefills of one prompt; the per-rank numbers of that run."""
-    runs = [asyncio.run(_prefill_once(engine, prompt, f"{tag}-{i}")) for i in range(repeats)]
+    return median_run([asyncio.run(_prefill_once(engine, prompt, f"{tag}-{i}")) for i in range(repeats)])
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (the upper one of an even count)."""
     return sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
 
 
-def served_and_one_batch(model_dir, cp, workers, options: EngineOptions, prompts: dict[int, list[int]],
-                         repeats: int, paths: tuple[str, ...] = ("served", "one_batch")) -> dict[str, dict[int, dict]]:
-    """Per path of `paths` ("served": chunks of `prefill_chunk_tokens`, as served; "one_batch": the whole prompt in one
-    step), per length: `time_prefills`, after an untimed warm-up of each path."""
-    longest, served = max(prompts), prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)
-    budgets = {"served": served, "one_batch": max(longest, served)}
-    out = {}
+def interleaved_prefills(model_dir, configs: list[tuple], prompts: dict[int, list[int]], repeats: int,
+                         paths: tuple[str, ...] = ("served", "one_batch")) -> list[dict[str, dict[int, dict]]]:
+    """Per config (cp, workers, EngineOptions), per path of `paths` ("served": chunks of `prefill_chunk_tokens`, as
+    served; "one_batch": the whole prompt in one step), per length: the `median_run` of `repeats` prefills. After an
+    untimed warm-up of each path, the configs take turns: every prefill of one config is followed by the same
+    prefill on the next."""
+    longest = max(prompts)
+    out: list[dict[str, dict[int, dict]]] = [{} for _ in configs]
     for path in paths:
-        budget = budgets[path]
-        engine = engine_over_workers(model_dir, cp, replace(options, prefill_token_budget=budget), workers)
-        time_prefills(engine, next(iter(prompts.values()))[:256], 1, f"{path}-warm")
-        out[path] = {n: time_prefills(engine, prompt, repeats, f"{path}-{n}") for n, prompt in prompts.items()}
+        engines = []
+        for cp, workers, options in configs:
+            served = prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)
+            budget = served if path == "served" else max(longest, served)
+            engines.append(engine_over_workers(model_dir, cp, replace(options, prefill_token_budget=budget), workers))
+            time_prefills(engines[-1], next(iter(prompts.values()))[:256], 1, f"{path}-warm")
+        for n, prompt in prompts.items():
+            runs: list[list[dict]] = [[] for _ in configs]
+            for i in range(repeats):
+                for config_runs, engine in zip(runs, engines):
+                    config_runs.append(asyncio.run(_prefill_once(engine, prompt, f"{path}-{n}-{i}")))
+            for timed, config_runs in zip(out, runs):
+                timed.setdefault(path, {})[n] = median_run(config_runs)
     return out

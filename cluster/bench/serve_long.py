@@ -123,14 +123,14 @@ def long_prompts(model_dir: Path, lengths: list[int], num_prompts: int, efficien
 
 
 def efficiency_prefill(model_dir: Path, cp, args: argparse.Namespace, prompt: list[int]) -> dict:
-    """One served-path prefill of `prompt` on cp_size ranks of one thread (`bench prefill`'s run_config); a
+    """One served-path prefill of `prompt` on cp_size ranks of one thread (`bench prefill`'s run_configs); a
     failure is returned as {"failed": ...} (the serving results measured before it are kept)."""
-    from cluster.bench.prefill import run_config
+    from cluster.bench.prefill import run_configs
     from model_workers.precision import resolve_dtype_name
 
     settings = argparse.Namespace(**{**vars(args), "dtype": resolve_dtype_name(args.dtype, model_dir, args.device)})
     try:
-        timed = run_config(model_dir, cp, 1, {len(prompt): prompt}, settings, 1, ("served",))
+        (timed,) = run_configs(model_dir, [(cp, 1)], {len(prompt): prompt}, settings, 1, ("served",))
     except Exception as exc:  # noqa: BLE001 - reported in the result's prefill_flop_efficiency
         return {"failed": repr(exc)}
     return timed["paths"]["served"][len(prompt)]
