@@ -152,15 +152,16 @@ class CPWorker:
     def _step(self, plan: StepPlan) -> StepResult:
         start, cpu_start = time.perf_counter(), time.process_time()
         result = StepResult(cp_rank=self.cp_rank)
+        with_draft = drafts_needed(plan.num_speculative_steps, plan.return_logits)  # the MTP layer at prefill
         if plan.prefill is not None:
-            clock = PhaseClock()
-            with clock.attached(self.runner.model, self.backend) if plan.time_prefill_phases else nullcontext():
+            clock = PhaseClock() if plan.time_prefill_phases else None
+            with clock.attached(self.runner.model, self.backend) if clock is not None else nullcontext():
                 result.outputs.update(self._prefill(plan.prefill, plan.return_logits, plan.group_prefill_rows,
-                                                    drafts_needed(plan.num_speculative_steps, plan.return_logits)))
-            if plan.time_prefill_phases:
+                                                    with_draft))
+            if clock is not None:
                 result.prefill_phase_s = clock.split(time.perf_counter() - start, self.comm.stats.seconds)
         elif plan.group_prefill_rows:
-            self._join_prefill(plan.group_prefill_rows, drafts_needed(plan.num_speculative_steps, plan.return_logits))
+            self._join_prefill(plan.group_prefill_rows, with_draft)
         if plan.decode or plan.group_decode:
             clock = DecodeClock()
             result.outputs.update(self._decode(plan, clock))
