@@ -1,8 +1,8 @@
 """The generation engine over one CP group: an asyncio step loop driving the scheduler and the rank workers.
 
 `GenerationEngine` implements `EngineClient` (cp_router/protocol.py): `generate` queues a request and yields
-its chunks; `abort` forgets it and frees its pages at once (the ranks drop its state at the next step, which
-runs at once). The loop runs one lockstep step at a time: `Scheduler.schedule` -> one `StepPlan` per rank ->
+its chunks; `abort` forgets it and frees its pages at once (the ranks drop its state at the next step; with nothing else
+to run, that step waits IDLE_FREE_DELAY_S for a request to ride along with). The loop runs one lockstep step at a time: `Scheduler.schedule` -> one `StepPlan` per rank ->
 `step.remote(plan)` on every rank concurrently (Ray actor handles, or an in-process worker with the same
 methods) -> `Scheduler.apply` -> chunks to the request streams (a request's prompt logprobs once, on its first
 chunk). A request ends where its owner rank says it does (`RequestOutput.finish_reason`), or earlier at a stop
@@ -31,11 +31,16 @@ from cp_router.protocol import (
     one_line,
 )
 from cp_router.recovery import MAX_RESUMES, RECOVERY_TIMEOUT_S, GroupRepair, RecoveryClock, RecoveryRecord
+from cp_router.recovery import raise_step_failure
 from cp_router.request_state import WAITING
 from cp_router.request_stream import RequestStream, sampling_of
 from cp_router.scheduler import ScheduledStep, Scheduler
 
 StepObserver = Callable[[ScheduledStep, list[StepResult]], Awaitable[None] | None]
+# With no request left, the ranks' frees wait this long for the next request's step: a step of frees alone is a
+# round trip to every rank (3 ms on the bench VM) that a request arriving meanwhile would wait for, and it trims
+# the ranks' heaps (`release_free_heap`), which the next prefill then faults in again.
+IDLE_FREE_DELAY_S = 1.0
 
 
 class GenerationEngine:
@@ -57,6 +62,7 @@ class GenerationEngine:
         self._last_progress = time.monotonic()
         self._last_step_end = 0.0
         self._group_error: str | None = None
+        self._free_now = False  # `drain`: frees go to the ranks at once
 
     @property
     def free_pages(self) -> list[int]:
@@ -70,9 +76,13 @@ class GenerationEngine:
     async def drain(self) -> None:
         """Returns once the loop has run every step the scheduler still has (frees included)."""
         self._ensure_loop()
+        self._free_now = True
         self._poke()
-        while self.scheduler.has_work():
-            await asyncio.sleep(0.001)
+        try:
+            while self.scheduler.has_work():
+                await asyncio.sleep(0.001)
+        finally:
+            self._free_now = False
 
     # EngineClient ---------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -147,9 +157,10 @@ class GenerationEngine:
     async def _loop(self) -> None:
         while True:
             if not self.scheduler.has_work():
-                self._wake.clear()
-                await self._wake.wait()
+                await self._woken(None)
                 continue
+            if not self.scheduler.requests and not self._free_now and await self._woken(IDLE_FREE_DELAY_S):
+                continue  # a request (or `drain`) came: the frees go with its step
             try:
                 async with self._lock():
                     await self.step()
@@ -157,6 +168,16 @@ class GenerationEngine:
                 await self._after_failure(exc)
             # No yield: the next step goes to the ranks first; the streams fed (SSE, ~0.1 ms each) run while they
             # compute (yielding first idled them 3.7 ms a step at 32 HTTP streams); first tokens: see `step`.
+
+    async def _woken(self, timeout_s: float | None) -> bool:
+        """Waits for `_poke` (a request, an abort, `drain`); False when `timeout_s` passed first."""
+        self._wake.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
+        except TimeoutError:
+            return False
+        return True
 
     async def step(self) -> None:
         """One lockstep step over the ranks that have something to do."""
@@ -271,24 +292,8 @@ class GenerationEngine:
         return len(admitted) - failed, failed
 
 
-class StepFailedError(RuntimeError):
-    """A step failed on one or more ranks (every rank of a lockstep step stops with it)."""
-
-
 async def pass_on_first_tokens(turns: int = 8) -> None:
     """`turns` loop turns (the hops from a stream's queue to its HTTP send) before the next step, so first tokens go
     out while the ranks idle: engine push -> socket 1.0 ms, not 1.9 ms as while they compute (bench VM, 1 stream)."""
     for _ in range(turns):
         await asyncio.sleep(0)
-
-
-def raise_step_failure(ranks: list[int], results: list) -> None:
-    """One clear error for a failed step: the rank that failed first (not one that only lost its peer)."""
-    failures = [(r, res) for r, res in zip(ranks, results) if isinstance(res, BaseException)]
-    if not failures:
-        return
-    causes = [f for f in failures if "left the step" not in str(f[1])] or failures
-    cp_rank, error = causes[0]
-    others = sorted(r for r, _ in failures if r != cp_rank)
-    also = f"; ranks {others} stopped with it" if others else ""
-    raise StepFailedError(f"step failed on cp_rank {cp_rank}: {one_line(error)}{also}") from None

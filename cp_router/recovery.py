@@ -9,6 +9,7 @@ so each stream goes on where it stopped: no token lost, none sent twice. A reque
 already, or every request when the group cannot be rebuilt, ends with an `EngineUnavailableError` naming why.
 
 The engine runs in cp_router and never imports Ray: the Ray implementation is cluster/rank_repair.py.
+`raise_step_failure` turns a failed step's per-rank errors into one `StepFailedError` naming the rank that failed first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from cp_router.protocol import one_line
 
 logger = logging.getLogger("dsa_serve.engine")
 
@@ -68,3 +71,19 @@ class RecoveryClock:
         record = RecoveryRecord(self.lost, self.cause, time.monotonic() - self.start, resumed, failed, ok)
         (logger.info if ok else logger.error)("%s", record.log_line())
         return record
+
+
+class StepFailedError(RuntimeError):
+    """A step failed on one or more ranks (every rank of a lockstep step stops with it)."""
+
+
+def raise_step_failure(ranks: list[int], results: list) -> None:
+    """One clear error for a failed step: the rank that failed first (not one that only lost its peer)."""
+    failures = [(r, res) for r, res in zip(ranks, results) if isinstance(res, BaseException)]
+    if not failures:
+        return
+    causes = [f for f in failures if "left the step" not in str(f[1])] or failures
+    cp_rank, error = causes[0]
+    others = sorted(r for r, _ in failures if r != cp_rank)
+    also = f"; ranks {others} stopped with it" if others else ""
+    raise StepFailedError(f"step failed on cp_rank {cp_rank}: {one_line(error)}{also}") from None

@@ -33,6 +33,7 @@ from cp_router.cp.padding import (
     split_rows,
 )
 from cp_router.cp.strategies import STRATEGY_INTERLEAVE, CPStrategy, can_split, get_strategy, stream_offsets
+from cp_router.wire import TensorsAsNumpy
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,7 +74,7 @@ class CPMetadata:
 
 
 @dataclass(frozen=True, eq=False)
-class RankMetadata:
+class RankMetadata(TensorsAsNumpy):
     """One rank's slice of a batch's `CPMetadata` (what a `StepPlan` carries); row conventions as above.
 
     `cp_rank` is the shard this rank runs: its CP rank, or 0 on the non-CP path (`cp_size == 1`), whichever

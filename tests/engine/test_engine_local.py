@@ -122,8 +122,8 @@ def test_abort_frees_pages_at_once(default_model):
         first = await stream.__anext__()
         await engine.abort(req.request_id)
         rest = [c async for c in stream]
-        for _ in range(20):  # the loop runs the step that frees the pages
-            await asyncio.sleep(0.01)
+        assert engine.free_pages == [128]  # at once; the rank's own state goes with the next step
+        await engine.drain()  # no request comes: drain sends the free now
         return first, rest
 
     first, rest = asyncio.run(scenario())
@@ -201,3 +201,26 @@ def test_prefill_runs_the_mtp_layer_only_for_speculation_or_shipped_logits(defau
     assert drafts[0, False] == [None, None]  # no speculation: nothing reads the MTP layer's output or KV rows
     assert all(d is not None for d in drafts[1, False] + drafts[0, True])
     assert tokens[0, False] == tokens[1, False] == tokens[0, True]
+
+
+def test_idle_frees_ride_with_the_next_request_and_go_alone_only_after_a_delay(default_model):
+    from cp_router.engine import IDLE_FREE_DELAY_S
+
+    first, second = make_requests([6, 5], 3, 6000, prompt_seed=4, temperature=0.0, ignore_eos=True)
+    alone = run_all(local_engine(default_model, options()), [second])[0]
+    engine = local_engine(default_model, options())
+    frees = []  # (frees, whether the step ran anything else) per step
+    engine.add_step_observer(lambda step, _: frees.append(
+        (sorted(f for plan in step.plans.values() for f in plan.free), bool(step.prefill or step.decode_ids))))
+
+    async def scenario():
+        await collect(engine, first)
+        await asyncio.sleep(0.2)
+        assert frees[-1][0] == [] and engine.scheduler.has_work()  # no step of frees alone right away
+        result = await collect(engine, second)
+        assert ([first.request_id], True) in frees  # the first request's free rode with the second's prefill
+        await asyncio.sleep(IDLE_FREE_DELAY_S + 0.3)  # no request came: the free goes alone
+        assert frees[-1] == ([second.request_id], False) and not engine.scheduler.has_work()
+        return result
+
+    assert asyncio.run(scenario())["token_ids"] == alone["token_ids"]

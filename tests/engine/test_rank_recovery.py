@@ -65,6 +65,7 @@ def kill_after_steps(engine, worker, steps: int, delay_s: float = 0.0) -> list[i
 
 def assert_idle(engine, group) -> None:
     assert engine.free_pages == [NUM_PAGES] * CP.cp_size
+    asyncio.run(engine.drain())  # the ranks' frees wait for a next request's step; drain sends them now
     assert ray.get([w.held_requests.remote() for w in group.workers]) == [[], []]
 
 

@@ -1,6 +1,8 @@
 """DeepSeek-V4 served by the engine (C = 1, in process) from a release-named checkpoint with an MTP block: greedy
 tokens equal `transformers` with speculation off and with k = 1, 2, 3 MTP drafts (chunked prefill on)."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -44,4 +46,5 @@ def test_preemption_with_recompute_and_speculation_keeps_greedy_tokens(v4_model)
     for prompt, result in zip(prompts, run_all(engine, requests)):
         assert result["token_ids"] == reference_greedy(target, prompt, 24)
     assert engine.stats.preemptions > 0 and engine.free_pages == [6]
+    asyncio.run(engine.drain())  # the rank's frees wait for a next request's step; drain sends them now
     assert engine.workers[0].worker.runner.cache.states == {}  # every request's state released

@@ -1,6 +1,7 @@
 """CP prefill across Ray actors on a real local Ray with gloo (CPU), driven by the engine that serves: one Ray
 session for the module, one CP group per cp_size reused across strategies, implementations and checkpoints."""
 
+import asyncio
 import json
 import shutil
 
@@ -54,6 +55,7 @@ def check_against_single_process(run, expected, atol: float, ref=None, prompts=N
 def assert_drained(engine) -> None:
     """No request, every page back with the scheduler, no state left on any rank."""
     assert not engine.scheduler.requests and engine.free_pages == [engine.scheduler.config.num_pages] * len(engine.workers)
+    asyncio.run(engine.drain())  # the ranks' frees wait for a next request's step; drain sends them now
     assert ray.get([w.held_requests.remote() for w in engine.workers]) == [[]] * len(engine.workers)
 
 
