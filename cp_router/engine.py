@@ -173,9 +173,8 @@ class GenerationEngine:
         """Waits for `_poke` (a request, an abort, `drain`); False when `timeout_s` passed first."""
         self._wake.clear()
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._wake.wait()
-        except TimeoutError:
+            await asyncio.wait_for(self._wake.wait(), timeout_s)  # idle only: its task per call costs nothing here
+        except asyncio.TimeoutError:  # Python 3.10: not the builtin TimeoutError
             return False
         return True
 
