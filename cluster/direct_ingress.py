@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -65,8 +66,32 @@ def _bound_socket(host: str, port: int, share: bool) -> socket.socket:
 
 
 def owner_file(port: int) -> Path:
-    """Names the app whose replicas listen on `port` of this node (the one a new replica may share it with)."""
+    """Names the app whose replicas listen on `port` of this node (the one a new replica may share it with), and
+    the process that wrote it: `app<TAB>pid`."""
     return Path(tempfile.gettempdir()) / f"dsa-serve-direct-ingress-{port}.owner"
+
+
+def recorded_owner(port: int, own_app: str) -> str | None:
+    """The app `owner_file(port)` names; None when there is none, or when it names another app and the process
+    that wrote it is gone (a file a killed server left behind: whoever holds the port now is someone else). A
+    record of `own_app` is kept whatever its process: another replica of the app may still share the port."""
+    try:
+        app, _, pid = owner_file(port).read_text().partition("\t")
+    except OSError:
+        return None
+    if app == own_app or (pid.isdigit() and process_alive(int(pid))):
+        return app
+    return None
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def listening_socket(host: str, port: int, owner: str) -> socket.socket:
@@ -76,13 +101,13 @@ def listening_socket(host: str, port: int, owner: str) -> socket.socket:
     try:
         _bound_socket(host, port, share=False).close()  # free: nobody listens there
     except OSError:
-        holder = owner_file(port).read_text() if owner_file(port).exists() else None
+        holder = recorded_owner(port, owner)
         if holder != owner:
             raise OSError(errno.EADDRINUSE, f"direct ingress cannot listen on {host}:{port}: the port is taken "
                                             f"(by {holder or 'another program'}, not {owner})") from None
     sock = _bound_socket(host, port, share=True)
     with contextlib.suppress(OSError):  # unwritable: the app's next replica on this node cannot share, and says so
-        owner_file(port).write_text(owner)
+        owner_file(port).write_text(f"{owner}\t{os.getpid()}")
     sock.set_inheritable(True)
     return sock
 

@@ -14,7 +14,7 @@ import torch
 
 from cp_router.cp.metadata import RankMetadata
 from cp_router.sampling import FinishReason, SamplingParams
-from cp_router.wire import TensorsAsNumpy
+from cp_router.cp.wire import TensorsAsNumpy
 
 NEXT_ID_SAMPLED = -1  # in `next_ids_local`: "the token the target samples for this request goes here"
 
@@ -38,7 +38,7 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class PrefillShard(TensorsAsNumpy):
-    """One rank's share of a prefill batch (its tensors cross the Ray call as numpy arrays: cp_router/wire.py).
+    """One rank's share of a prefill batch (its tensors cross the Ray call as numpy arrays: cp_router/cp/wire.py).
 
     `meta` is this rank's slice of the batch's CP metadata; `meta.cp_size == 1` is the non-CP path: the owner
     runs its own requests of the batch whole, without collectives. Token rows are this rank's logical rows in

@@ -33,7 +33,7 @@ from cp_router.cp.padding import (
     split_rows,
 )
 from cp_router.cp.strategies import STRATEGY_INTERLEAVE, CPStrategy, can_split, get_strategy, stream_offsets
-from cp_router.wire import TensorsAsNumpy
+from cp_router.cp.wire import TensorsAsNumpy
 
 
 @dataclass(frozen=True, eq=False)

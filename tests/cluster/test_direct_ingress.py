@@ -4,8 +4,11 @@ one node share the port, and the server answers and stops like the default one."
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -15,7 +18,7 @@ import pytest
 from cluster.cli import build_parser
 from cluster.cli import main as cli_main
 from cluster.commands.serve import app_args
-from cluster.direct_ingress import DirectIngressServer
+from cluster.direct_ingress import DirectIngressServer, owner_file
 from cluster.http_api.ingress import build_app
 from cluster.serve_app import DrainableHTTP, validate_args
 from cluster.serve_settings import IngressSettings, ServeAppArgs
@@ -90,6 +93,23 @@ def test_a_port_another_program_holds_is_named():
             asyncio.run(DirectIngressServer(named(b"x"), "127.0.0.1", port, "app A").start())
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("writer_alive", [True, False])
+def test_a_port_record_names_its_app_only_while_the_process_that_wrote_it_lives(writer_alive):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner_file(port).write_text(f"app B\t{os.getpid() if writer_alive else int(gone.stdout)}")
+    expected = "app B" if writer_alive else "another program"  # a killed server's record names nobody now
+    try:
+        with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port}: .*by {expected}, not app A"):
+            asyncio.run(DirectIngressServer(named(b"x"), "127.0.0.1", port, "app A").start())
+    finally:
+        taken.close()
+        owner_file(port).unlink()
 
 
 def test_direct_ingress_is_on_where_one_replica_answers_http_and_bad_ports_are_refused(monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Plans cross the Ray call with their tensors as numpy arrays (cp_router/wire.py): same values, dtypes, shapes."""
+"""Plans cross the Ray call with their tensors as numpy arrays (cp_router/cp/wire.py): same values, dtypes, shapes."""
 
 import pickle
 
@@ -7,7 +7,7 @@ import torch
 
 from cp_router.cp.metadata import build_cp_metadata
 from cp_router.plans import PrefillRequest, PrefillShard
-from cp_router.wire import from_wire, to_wire
+from cp_router.cp.wire import from_wire, to_wire
 
 
 def shard() -> PrefillShard:
