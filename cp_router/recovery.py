@@ -24,8 +24,8 @@ from cp_router.protocol import one_line
 logger = logging.getLogger("dsa_serve.engine")
 
 MAX_RESUMES = 3  # resumes of one request before it ends with an error (a request that keeps killing ranks)
-RECOVERY_TIMEOUT_S = 600.0
-MAX_CAUSE_CHARS = 200  # of the failure named in the recovery's log lines  # replacing ranks: an actor start plus a checkpoint load of the real models
+RECOVERY_TIMEOUT_S = 600.0  # replacing ranks: an actor start plus a checkpoint load of the real models
+MAX_CAUSE_CHARS = 200  # of the failure named in the recovery's log lines
 
 
 @runtime_checkable
