@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator
 
 import ray
 from pydantic import ValidationError
@@ -166,6 +167,10 @@ def replica_app_owner() -> str:
     return f"Serve app {app_name!r} of the Ray cluster at {ray.get_runtime_context().gcs_address}"
 
 
+# The coroutine Python's collector makes of DrainableHTTP.__del__ and drops (see there) is no mistake to report.
+warnings.filterwarnings("ignore", "coroutine 'DrainableHTTP.__del__' was never awaited", RuntimeWarning)
+
+
 class DrainableHTTP:
     """What the HTTP replicas (DSAIngress, DSAServer) share: their app, its direct ingress server when configured,
     and the drain that `dsa-serve serve` broadcasts on SIGTERM."""
@@ -195,17 +200,16 @@ class DrainableHTTP:
         ones in flight; returns how many are still running."""
         return await self.http_app.state.admission.drain(timeout_s)
 
-    def __del__(self) -> Awaitable[None] | None:
-        """Serve stops this replica (redeploy, scale-down, shutdown) and awaits what this returns: Serve waits only
-        for the requests that came through its proxy, so the direct ingress ones are drained here, within the same
-        drain_timeout_s. Nothing (no coroutine) when there is nothing to stop, e.g. when the object is collected."""
+    async def __del__(self) -> None:
+        """Serve stops this replica (redeploy, scale-down, shutdown) and awaits this; it waits only for requests its
+        proxy forwarded, so direct ingress ones are drained here, within drain_timeout_s. `async def`: Serve's
+        @serve.ingress wrapper awaits a class's `__del__` only then (it drops what a plain one returns). Python calls
+        it again when it collects the object; that coroutine is dropped unrun (its warning is filtered above)."""
         direct, self.direct = self.direct, None
-        return None if direct is None else self._stop_direct_ingress(direct)
-
-    async def _stop_direct_ingress(self, direct: DirectIngressServer) -> None:
-        direct.stop_accepting()  # a replacement replica on this node takes the new connections
-        await self.drain(self.args.drain_timeout_s)
-        await direct.stop()
+        if direct is not None:
+            direct.stop_accepting()  # a replacement replica on this node takes the new connections
+            await self.drain(self.args.drain_timeout_s)
+            await direct.stop()
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, logging_config=QUIET)

@@ -20,7 +20,7 @@ from cluster.cli import main as cli_main
 from cluster.commands.serve import app_args
 from cluster.direct_ingress import DirectIngressServer, owner_file
 from cluster.http_api.ingress import build_app
-from cluster.serve_app import DrainableHTTP, validate_args
+from cluster.serve_app import DSAIngress, DSAServer, validate_args
 from cluster.serve_settings import IngressSettings, ServeAppArgs
 from support.http_fakes import FakeEngine, write_checkpoint_files
 from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
@@ -182,10 +182,13 @@ class SlowEngine(FakeEngine):
             yield chunk
 
 
-def test_a_replica_serve_stops_finishes_its_direct_ingress_streams_and_refuses_new_connections(tmp_path):
+@pytest.mark.parametrize("deployment", [DSAServer, DSAIngress])
+def test_a_replica_serve_stops_finishes_its_direct_ingress_streams_and_refuses_new_connections(tmp_path, deployment):
     port, tokens = free_port(), 20
     args = ServeAppArgs(direct_ingress_port=port, direct_ingress_host="127.0.0.1")
-    replica = DrainableHTTP()  # what DSAServer and DSAIngress share
+    # The class Serve runs: @serve.ingress's wrapper, whose own __del__ is what Serve calls and awaits on stop (it
+    # awaits the class's __del__ only when that is a coroutine function). No __init__: Serve's needs a running app.
+    replica = object.__new__(deployment.func_or_class)
     replica.args = args
 
     async def stream(http: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
@@ -213,6 +216,7 @@ def test_a_replica_serve_stops_finishes_its_direct_ingress_streams_and_refuses_n
             events = await running
             await asyncio.wait_for(stopping, 30)
         assert events[-1] == "data: [DONE]" and len(events) == tokens + 1
-        assert replica.__del__() is None  # stopped once; a later call (the object collected) has nothing to do
+        await asyncio.wait_for(replica.__del__(), 1)  # stopped once; a later call has nothing left to do
+        assert replica.direct is None
 
     asyncio.run(main())
