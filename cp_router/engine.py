@@ -1,13 +1,13 @@
 """The generation engine over one CP group: an asyncio step loop driving the scheduler and the rank workers.
 
-`GenerationEngine` implements `EngineClient` (cp_router/protocol.py): `generate` queues a request and yields
-its chunks; `abort` forgets it and frees its pages at once (the ranks drop its state at the next step; with
-nothing else to run, that step waits IDLE_FREE_DELAY_S for a request to ride along with). The loop runs one
-lockstep step at a time: `Scheduler.schedule` -> one `StepPlan` per rank -> `step.remote(plan)` on every rank
-concurrently (Ray actor handles, or an in-process worker with the same methods) -> `Scheduler.apply` -> chunks
-to the request streams (a request's prompt logprobs once, on its first chunk). A request ends where its owner rank says it does (`RequestOutput.finish_reason`), or earlier at a stop
-string. Step observers (`add_step_observer`) see every step's plans and results: benchmarks and tests read
-per-rank timings, logits and page tables there.
+`GenerationEngine` implements `EngineClient` (cp_router/protocol.py): `generate` queues a request and yields its
+chunks; `abort` forgets it and frees its pages at once (the ranks drop its state at the next step; with nothing else
+to run, that step waits IDLE_FREE_DELAY_S for a request to ride along with). The loop runs one lockstep step at a
+time: `Scheduler.schedule` -> one `StepPlan` per rank -> `step.remote(plan)` on every rank concurrently (Ray actor
+handles, or an in-process worker with the same methods) -> `Scheduler.apply` -> chunks to the request streams (a
+request's prompt logprobs once, on its first chunk). A request ends where its owner rank says it does
+(`RequestOutput.finish_reason`), or earlier at a stop string. Step observers (`add_step_observer`) see every step's
+plans and results: benchmarks and tests read per-rank timings, logits and page tables there.
 """
 
 from __future__ import annotations
