@@ -19,6 +19,7 @@ import time
 import torch
 
 from cluster.bench.common import model_fingerprint, spelled_command
+from cluster.bench.result_output import print_result
 from cluster.commands.args import add_dtype_argument, int_list
 from model_workers.precision import compute_dtype, storage_dtype
 
@@ -179,7 +180,7 @@ def run_attention(args: argparse.Namespace) -> int:
     }
     if args.plot:
         save_plot(result, args.plot)
-    print(json.dumps(result) if args.json else summary(result))
+    print_result(json.dumps(result) if args.json else summary(result))
     return 0
 
 

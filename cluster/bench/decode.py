@@ -16,6 +16,7 @@ import json
 import time
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
+from cluster.bench.result_output import print_result
 from cluster.commands.args import add_deterministic_argument, add_dtype_argument, add_speculative_argument, int_list
 from cluster.config import MAX_SPECULATIVE_STEPS
 
@@ -173,9 +174,10 @@ def run_decode(args: argparse.Namespace) -> int:
         from cluster.bench.plot import save_plot
         save_plot(result, args.plot)
     if args.json:
-        print(json.dumps(result))
+        print_result(json.dumps(result))
     else:
         for run in runs:
-            print(f"k={run['speculative_num_steps']} B={run['batch_size']}: {run['tokens_per_s']:.1f} tok/s,"
-                  f" accepted length {run['mean_accepted_length']:.2f} (formula {run['formula_accepted_length']:.2f})")
+            print_result(f"k={run['speculative_num_steps']} B={run['batch_size']}: {run['tokens_per_s']:.1f} tok/s,"
+                         f" accepted length {run['mean_accepted_length']:.2f}"
+                         f" (formula {run['formula_accepted_length']:.2f})")
     return 0

@@ -25,6 +25,7 @@ import statistics
 import time
 
 from cluster.bench.common import spelled_command
+from cluster.bench.result_output import print_result
 from cluster.commands.args import int_list
 
 EXCHANGE_FLAGS = ("sizes", "rows", "hidden", "experts", "top_k", "groups", "kept_groups")
@@ -253,9 +254,9 @@ def run_exchange(args: argparse.Namespace) -> int:
               "timing": "median over repeats (20 for T<=32, 10 for T<=256, 5 above) of the slowest rank",
               "table": table, "conclusion": conclusion(table)}
     if args.json:
-        print(json.dumps(result))
+        print_result(json.dumps(result))
     else:
         for e in table:
-            print(f"C={e['cp_size']} T={e['rows_per_rank']}: " + ", ".join(
+            print_result(f"C={e['cp_size']} T={e['rows_per_rank']}: " + ", ".join(
                 f"{m} {1e3 * e[m]['wall_s']:.2f} ms {e[m]['bytes_received_per_rank']} B" for m in METHODS))
     return 0

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
+from cluster.bench.result_output import print_result
 from cluster.commands.args import add_dtype_argument, add_speculative_argument, int_list
 from cluster.config import MAX_SPECULATIVE_STEPS
 
@@ -266,9 +267,10 @@ def run_ep(args: argparse.Namespace) -> int:
         "runs": groups,
     }
     if args.json:
-        print(json.dumps(result))
+        print_result(json.dumps(result))
     else:
         for row in result["decode"]:
-            print(f"k={row['speculative_num_steps']} B={row['batch_size']}: {row['no_ep_tokens_per_s']:.1f} tok/s"
-                  f" without EP, {row['ep_tokens_per_s']:.1f} with (x{row['ep_over_no_ep']:.2f})")
+            print_result(f"k={row['speculative_num_steps']} B={row['batch_size']}:"
+                         f" {row['no_ep_tokens_per_s']:.1f} tok/s without EP, {row['ep_tokens_per_s']:.1f} with"
+                         f" (x{row['ep_over_no_ep']:.2f})")
     return 0

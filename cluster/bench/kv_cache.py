@@ -14,6 +14,7 @@ import json
 import time
 
 from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command
+from cluster.bench.result_output import print_result
 
 KV_CACHE_FLAGS = ("model", "prompts", "prompt_len", "max_tokens", "dtype")
 COMPARED = ("bfloat16", "fp8_e4m3")  # reference first
@@ -101,5 +102,5 @@ def run_kv_cache(args: argparse.Namespace) -> int:
                                    / by_dtype["fp8_e4m3"]["measured_kv_bytes_per_token"], 4),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    print(json.dumps(result, indent=None if args.json else 2))
+    print_result(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import model_fingerprint, spelled_command
+from cluster.bench.result_output import print_result
 from cluster.commands.args import (
     add_cp_arguments,
     add_deterministic_argument,
@@ -253,16 +254,17 @@ def emit(result: dict, args: argparse.Namespace) -> None:
         from cluster.bench.plot import save_plot
         save_plot(result, args.plot)
     if args.json:
-        print(json.dumps(result))
+        print_result(json.dumps(result))
         return
     for e in result["lengths"]:
         one = e["one_batch"]
-        print(f"L={e['prompt_len']}: C=1 {e['c1_wall_s']:.2f}s, C={e['cp_size']} {e['cp_wall_s']:.2f}s in {e['chunks']}"
-              f" chunk(s), strong-scaling efficiency {e['strong_scaling_efficiency']:.3f} (one batch: C=1"
-              f" {one['c1_wall_s']:.2f}s, C={e['cp_size']} {one['cp_wall_s']:.2f}s, {one['strong_scaling_efficiency']:.3f}),"
-              f" KV bytes/rank {e['measured_kv_bytes_per_rank']} (formula {e['formula_kv_bytes_per_rank']:.0f}),"
-              f" peak RSS/rank {max(e['peak_rss_bytes_per_rank']) / 2**30:.2f} GiB"
-              f"{efficiency_text(e['prefill_flop_efficiency'])}")
+        print_result(
+            f"L={e['prompt_len']}: C=1 {e['c1_wall_s']:.2f}s, C={e['cp_size']} {e['cp_wall_s']:.2f}s in {e['chunks']}"
+            f" chunk(s), strong-scaling efficiency {e['strong_scaling_efficiency']:.3f} (one batch: C=1"
+            f" {one['c1_wall_s']:.2f}s, C={e['cp_size']} {one['cp_wall_s']:.2f}s, {one['strong_scaling_efficiency']:.3f}),"
+            f" KV bytes/rank {e['measured_kv_bytes_per_rank']} (formula {e['formula_kv_bytes_per_rank']:.0f}),"
+            f" peak RSS/rank {max(e['peak_rss_bytes_per_rank']) / 2**30:.2f} GiB"
+            f"{efficiency_text(e['prefill_flop_efficiency'])}")
 
 
 def efficiency_text(block: dict) -> str:

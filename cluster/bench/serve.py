@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
+from cluster.bench.result_output import print_result
 from cluster.bench.serve_long import add_long_arguments, resolve_workload
 from cluster.bench.serve_report import (  # plot: bench_plot "serve"
     DEFINITIONS,
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         level_prompts = {c: [prompts[i % len(prompts)][1] for i in range(n)] for c, n in plan.items()}
         baseline = run_baseline(model_dir, level_prompts, args.max_tokens, args.dtype, args.device, cp.cp_size)
     result = build_result(args, model_dir, cp, prompts, levels, http, in_process, baseline)
-    print(json.dumps(result) if args.json else summary_text(result))
+    print_result(json.dumps(result) if args.json else summary_text(result))
     if args.plot:
         plot(result, args.plot)
     return 0

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command, window_offsets
+from cluster.bench.result_output import print_result
 from cluster.bench.serve_report import DEFINITIONS, assemble_run, machine, ratio
 from cluster.commands.args import int_list
 
@@ -231,7 +232,7 @@ def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     result = build_long_result(args, model_dir, {**server_info(args, cp), "num_kv_pages": args.num_kv_pages},
                                prompts, levels, long_runs(lengths, levels, http, in_process, baseline), baseline,
                                efficiency)
-    print(json.dumps(result) if args.json else summary_text_long(result))
+    print_result(json.dumps(result) if args.json else summary_text_long(result))
     if args.plot:
         plot_long(result, args.plot)
     return 0

@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from cluster.bench.common import spelled_command
+from cluster.bench.result_output import print_result
 from cluster.bench.soak_load import LONG_TOKENS, LoadContext, bad_bodies, run_clients, tally
 from cluster.bench.soak_verdict import Limits, verdict
 
@@ -239,6 +240,6 @@ def run(args: argparse.Namespace) -> int:
               **measured, "verdict": outcome}
     print(summary_text(result), file=sys.stderr)
     if not args.json:
-        print(summary_text(result))
-    print(json.dumps(result, default=str))
+        print_result(summary_text(result))
+    print_result(json.dumps(result, default=str))
     return 0 if outcome["pass"] else 1
