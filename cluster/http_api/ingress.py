@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request, params
+from fastapi import FastAPI, Request, params
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,7 +26,7 @@ from cluster.http_api.chat_requests import ChatCompletionRequest, tools_json
 from cluster.http_api.choice_streams import plan_choices
 from cluster.http_api.errors import APIError, install_error_handlers
 from cluster.http_api.generation import Generation, respond_stream, respond_whole
-from cluster.http_api.middleware import AccessLogMiddleware, Admission, ConcurrencyLimitMiddleware, api_key_dependency
+from cluster.http_api.middleware import AccessLogMiddleware, Admission, ConcurrencyLimitMiddleware, api_key_dependencies
 from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
 from cluster.http_api.openai_requests import CompletionRequest, ModelLimits, SamplingRequest
 from cluster.http_api.openai_responses import (
@@ -166,18 +166,18 @@ def _open_ingress(engine_client: EngineClient, settings: IngressSettings, text: 
                    int(time.time()), sampling_defaults(settings.model_dir))
 
 
-def _add_routes(app: FastAPI, ingress: Ingress, authorized: params.Depends) -> None:
-    @app.post("/v1/completions", dependencies=[authorized])
+def _add_routes(app: FastAPI, ingress: Ingress, authorized: list[params.Depends]) -> None:
+    @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
         body = await ingress.read(request, CompletionRequest)
         return await ingress.respond(request, body, ingress.plan_completion(body))
 
-    @app.post("/v1/chat/completions", dependencies=[authorized])
+    @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request) -> Response:
         body = await ingress.read(request, ChatCompletionRequest)
         return await ingress.respond(request, body, ingress.plan_chat(body))
 
-    @app.get("/v1/models", dependencies=[authorized])
+    @app.get("/v1/models", dependencies=authorized)
     async def models() -> JSONResponse:
         return JSONResponse(ingress.model_list().model_dump(mode="json"))
 
@@ -209,7 +209,7 @@ def build_app(engine_client: EngineClient, settings: IngressSettings | None = No
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
-    authorized = Depends(api_key_dependency(settings.resolved_api_key()))
+    authorized = api_key_dependencies(settings.resolved_api_key())
     _add_routes(app, ingress, authorized)
     add_utility_routes(app, ingress, authorized)
     install_openapi(app, JSON_OPERATIONS)

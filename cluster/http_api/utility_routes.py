@@ -37,14 +37,14 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
-def add_utility_routes(app: FastAPI, ingress, authorized: params.Depends) -> None:
-    @app.get("/v1/models/{model_id:path}", dependencies=[authorized])
+def add_utility_routes(app: FastAPI, ingress, authorized: list[params.Depends]) -> None:
+    @app.get("/v1/models/{model_id:path}", dependencies=authorized)
     async def model_card(model_id: str) -> JSONResponse:
         ingress.check_model(model_id)
         card = next(card for card in ingress.model_list().data if card.id == model_id)
         return JSONResponse(card.model_dump(mode="json"))
 
-    @app.post("/tokenize", dependencies=[authorized])
+    @app.post("/tokenize", dependencies=authorized)
     async def tokenize(request: Request) -> JSONResponse:
         body = await read_json_body(request, TokenizeRequest, ingress.settings.max_body_bytes,
                                     ingress.settings.body_timeout_s)
@@ -61,7 +61,7 @@ def add_utility_routes(app: FastAPI, ingress, authorized: params.Depends) -> Non
         return JSONResponse({"count": len(token_ids), "max_model_len": ingress.info.max_model_len,
                              "tokens": list(token_ids)})
 
-    @app.post("/detokenize", dependencies=[authorized])
+    @app.post("/detokenize", dependencies=authorized)
     async def detokenize(request: Request) -> JSONResponse:
         body = await read_json_body(request, DetokenizeRequest, ingress.settings.max_body_bytes,
                                     ingress.settings.body_timeout_s)
