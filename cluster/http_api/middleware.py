@@ -119,8 +119,8 @@ def api_key_dependencies(expected: str | None) -> list[params.Depends]:
     """The routes' FastAPI dependencies: a 401 unless `Authorization: Bearer <expected>`; none without a key (a
     no-op dependency still costs FastAPI's dependency solving on every request).
 
-    A coroutine function, so FastAPI calls it on the event loop: a plain `def` dependency runs in its thread
-    pool, a thread hop that cost about 1 ms of every request's latency (measured on the 2-core bench VM)."""
+    The check is a coroutine function, so FastAPI calls it on the event loop: a plain `def` dependency runs in its
+    thread pool, a thread hop that cost about 1 ms of every request's latency (measured on the 2-core bench VM)."""
     if expected is None:
         return []
     expected_bytes = expected.encode("utf-8")
