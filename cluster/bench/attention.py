@@ -19,8 +19,8 @@ import time
 import torch
 
 from cluster.bench.common import model_fingerprint, spelled_command
-from cluster.bench.result_output import print_result
 from cluster.commands.args import add_dtype_argument, int_list
+from cluster.commands.result_output import print_result
 from model_workers.precision import compute_dtype, storage_dtype
 
 DEFAULT_LENGTHS = "64,128,256,512,1024,2048,4096,8192"

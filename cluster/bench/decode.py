@@ -16,8 +16,8 @@ import json
 import time
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
-from cluster.bench.result_output import print_result
 from cluster.commands.args import add_deterministic_argument, add_dtype_argument, add_speculative_argument, int_list
+from cluster.commands.result_output import print_result
 from cluster.config import MAX_SPECULATIVE_STEPS
 
 FORMULA = "(1 - a^(k+1)) / (1 - a), a = accepted / drafted"

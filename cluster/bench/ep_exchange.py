@@ -25,8 +25,8 @@ import statistics
 import time
 
 from cluster.bench.common import spelled_command
-from cluster.bench.result_output import print_result
 from cluster.commands.args import int_list
+from cluster.commands.result_output import print_result
 
 EXCHANGE_FLAGS = ("sizes", "rows", "hidden", "experts", "top_k", "groups", "kept_groups")
 METHODS = ("gather_scatter", "all_rows_all_to_all", "routed_dispatch")

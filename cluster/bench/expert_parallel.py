@@ -19,8 +19,8 @@ import time
 from collections import defaultdict
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
-from cluster.bench.result_output import print_result
 from cluster.commands.args import add_dtype_argument, add_speculative_argument, int_list
+from cluster.commands.result_output import print_result
 from cluster.config import MAX_SPECULATIVE_STEPS
 
 EP_FLAGS = ("model", "cp_size", "batch_size", "speculative_num_steps", "max_tokens", "prompt_len", "dtype",

@@ -14,7 +14,7 @@ import json
 import time
 
 from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command
-from cluster.bench.result_output import print_result
+from cluster.commands.result_output import print_result
 
 KV_CACHE_FLAGS = ("model", "prompts", "prompt_len", "max_tokens", "dtype")
 COMPARED = ("bfloat16", "fp8_e4m3")  # reference first

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import model_fingerprint, spelled_command
-from cluster.bench.result_output import print_result
 from cluster.commands.args import (
     add_cp_arguments,
     add_deterministic_argument,
@@ -29,6 +28,7 @@ from cluster.commands.args import (
     add_kv_cache_dtype_argument,
     int_list,
 )
+from cluster.commands.result_output import print_result
 from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, max_over_mean
 from cp_router.cp.strategies import CP_STRATEGIES
 from model_workers.precision import storage_dtype

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
-from cluster.bench.result_output import print_result
 from cluster.bench.serve_long import add_long_arguments, resolve_workload
 from cluster.bench.serve_report import (  # plot: bench_plot "serve"
     DEFINITIONS,
@@ -35,6 +34,7 @@ from cluster.bench.serve_report import (  # plot: bench_plot "serve"
 )
 from cluster.bench.serve_server import NEGATABLE_FLAGS, SERVE_FLAGS, measure_served, server_info
 from cluster.commands.args import add_server_arguments, int_list
+from cluster.commands.result_output import print_result
 from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
 

@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 
 from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command, window_offsets
-from cluster.bench.result_output import print_result
 from cluster.bench.serve_report import DEFINITIONS, assemble_run, machine, ratio
 from cluster.commands.args import int_list
+from cluster.commands.result_output import print_result
 
 WORKLOADS = ("short", "long")
 DEFAULT_LONG_LENS, DEFAULT_LONG_CONCURRENCY, DEFAULT_SHORT_CONCURRENCY = "4096,8192,16384", "1,4", "1,8,32,64"

@@ -25,9 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 from cluster.bench.common import spelled_command
-from cluster.bench.result_output import print_result
 from cluster.bench.soak_load import LONG_TOKENS, LoadContext, bad_bodies, run_clients, tally
 from cluster.bench.soak_verdict import Limits, verdict
+from cluster.commands.result_output import print_result
 
 SOAK_FLAGS = ("duration_s", "warmup_s", "idle_s", "concurrency", "sample_s", "seed", "serve_args", "rss_limit_mib",
               "rss_limit_pct", "task_slack", "thread_slack", "object_slack")

@@ -20,7 +20,7 @@ from cluster.bench import (
     serve,
     soak,
 )
-from cluster.bench.result_output import with_results_only_on_stdout
+from cluster.commands.result_output import with_results_only_on_stdout
 
 
 def add_parser(commands) -> None:
@@ -35,5 +35,5 @@ def add_parser(commands) -> None:
     kv_cache.add_parser(kinds)
     soak.add_parser(kinds)
     report.add_parser(kinds)
-    for kind in kinds.choices.values():  # the result alone on stdout (cluster/bench/result_output.py)
+    for kind in kinds.choices.values():  # the result alone on stdout (result_output.py)
         kind.set_defaults(run=with_results_only_on_stdout(kind.get_default("run")))

@@ -19,6 +19,7 @@ from cluster.commands.args import (
     add_kv_cache_dtype_argument,
     add_speculative_argument,
 )
+from cluster.commands.result_output import print_result, with_results_only_on_stdout
 from cluster.config import check_speculative_steps, resolve_cp_settings
 from cp_router.cp.padding import ceil_div
 from cp_router.protocol import EngineRequest
@@ -54,7 +55,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_cp_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=with_results_only_on_stdout(run))
 
 
 def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
@@ -146,5 +147,5 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     results = run_generate(args, resolve_model_dir(args.model))
     for result in results:
-        print(json.dumps(result) if args.json else result.get("text") or result["token_ids"])
+        print_result(json.dumps(result) if args.json else str(result.get("text") or result["token_ids"]))
     return 0

@@ -28,7 +28,7 @@ def commands(reference_checkpoint):
     for process in running:
         stdout, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr[-2000:]
-        outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+        outputs.append(json.loads(stdout))  # the result alone on stdout (cluster/commands/result_output.py)
     return ref, folder, outputs[0], outputs[1]
 
 

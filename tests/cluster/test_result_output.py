@@ -1,11 +1,11 @@
-"""A bench command's stdout holds its result and nothing else (cluster/bench/result_output.py)."""
+"""A command's stdout holds its result and nothing else (cluster/commands/result_output.py)."""
 
 import json
 import threading
 
 from ray._private.worker import print_to_stdstream
 
-from cluster.bench.result_output import print_result, results_only_on_stdout, with_results_only_on_stdout
+from cluster.commands.result_output import print_result, results_only_on_stdout, with_results_only_on_stdout
 
 
 def test_inside_a_bench_run_only_the_result_reaches_stdout(capsys):

@@ -1,10 +1,10 @@
-"""Where a benchmark's result goes: stdout, and nothing else there.
+"""Where a command's result goes: stdout, and nothing else there (`dsa-serve bench KIND`, `dsa-serve generate`).
 
-A bench run prints its result (one JSON document with --json) at the end. Other things print to stdout while it
-runs: Ray's driver prints the cluster's error messages there ("(raylet) Task ServeController.graceful_shutdown
-failed ..." when a bench stops the server it started), and so may any library. `results_only_on_stdout` sends
-all of that to stderr for the run; `print_result` writes to the stdout the command started with, so
-`dsa-serve bench KIND --json > result.json` (or `| jq`) gets exactly one document.
+A bench run prints its result (one JSON document with --json) at the end, `generate` one line per request. Other
+things print to stdout while they run: Ray's driver prints the cluster's error messages there ("(raylet) Task
+ServeController.graceful_shutdown failed ..." when a bench stops the server it started), and so may any library.
+`results_only_on_stdout` sends all of that to stderr for the run; `print_result` writes to the stdout the command
+started with, so `dsa-serve bench KIND --json > result.json` (or `| jq`) gets exactly the result.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ def results_only_on_stdout() -> Iterator[None]:
 
 
 def print_result(text: str) -> None:
-    """A benchmark's result (JSON or its summary): to the command's stdout, also inside `results_only_on_stdout`."""
+    """A command's result (JSON or its summary): to the command's stdout, also inside `results_only_on_stdout`."""
     print(text, file=_RESULT_STREAM.get() or sys.stdout, flush=True)
 
 
 def with_results_only_on_stdout(run: Callable) -> Callable:
-    """A bench command's `run(args)`, run inside `results_only_on_stdout`."""
+    """A command's `run(args)`, run inside `results_only_on_stdout`."""
 
     @functools.wraps(run)
     def run_bench(args):
