@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 import uvicorn
+from ray.serve.config import HTTPOptions
 from starlette.types import ASGIApp
 
 STARTUP_TIMEOUT_S = 30.0
@@ -112,6 +113,12 @@ def listening_socket(host: str, port: int, owner: str) -> socket.socket:
     return sock
 
 
+# Idle keep-alive connections stay open as long as through Serve's proxy (HTTPOptions.keep_alive_timeout_s, 90 s),
+# not uvicorn's 5 s: longer than clients' pools keep idle connections (aiohttp 15 s) and load balancers' idle
+# timeouts (60 s on AWS ALB), so the server is not the side that closes a connection a client may be reusing.
+KEEP_ALIVE_TIMEOUT_S = HTTPOptions().keep_alive_timeout_s
+
+
 class DirectIngressServer:
     """`app` served by uvicorn on host:port, on the event loop that calls `start`."""
 
@@ -119,7 +126,8 @@ class DirectIngressServer:
         """`owner`: the app the replica belongs to; only its replicas share the port (listening_socket)."""
         self.host, self.port, self.owner = host, port, owner
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, loop="none",
-                                timeout_graceful_shutdown=1)  # http "auto": httptools where installed, else h11
+                                timeout_graceful_shutdown=1,  # http "auto": httptools where installed, else h11
+                                timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S)
         self._server = _ReplicaServer(config)
         self._task: asyncio.Task | None = None
 

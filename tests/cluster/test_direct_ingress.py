@@ -65,6 +65,32 @@ def test_replicas_of_one_node_share_the_port():
     asyncio.run(main())
 
 
+def test_an_idle_keep_alive_connection_stays_open_as_through_serves_proxy():
+    """uvicorn alone closes a connection idle for 5 s; Serve's proxy keeps it 90 s, and so does direct ingress
+    (a load balancer or a client pool reusing it after 6 s gets an answer, not a closed socket)."""
+    port = free_port()
+    request = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n"
+
+    async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), timeout=10)  # the chunked body's end
+
+    async def main():
+        server = DirectIngressServer(named(b"alive"), "127.0.0.1", port, "app A")
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert b"\r\nalive\r\n" in await ask(reader, writer)
+            await asyncio.sleep(6)
+            assert b"\r\nalive\r\n" in await ask(reader, writer)  # the same connection, idle for 6 s
+            writer.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
 def test_another_app_cannot_share_the_port():
     port = free_port()
 
