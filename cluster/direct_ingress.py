@@ -115,7 +115,9 @@ def listening_socket(host: str, port: int, owner: str) -> socket.socket:
 
 # Idle keep-alive connections stay open as long as through Serve's proxy (HTTPOptions.keep_alive_timeout_s, 90 s),
 # not uvicorn's 5 s: longer than clients' pools keep idle connections (aiohttp 15 s) and load balancers' idle
-# timeouts (60 s on AWS ALB), so the server is not the side that closes a connection a client may be reusing.
+# timeouts (60 s on AWS ALB), so the server is not the side that closes a connection a client may be reusing. A
+# `bench serve` run met that race: its HTTP round began 4.99 s after the previous one ended, on aiohttp's pooled
+# connections, and one request got ServerDisconnectedError from a connection uvicorn was closing.
 KEEP_ALIVE_TIMEOUT_S = HTTPOptions().keep_alive_timeout_s
 
 
