@@ -15,7 +15,7 @@ import functools
 import sys
 from typing import Callable, Iterator, TextIO
 
-_RESULT_STREAM: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("bench_result_stream", default=None)
+_RESULT_STREAM: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("command_result_stream", default=None)
 
 
 @contextlib.contextmanager
@@ -38,8 +38,8 @@ def with_results_only_on_stdout(run: Callable) -> Callable:
     """A command's `run(args)`, run inside `results_only_on_stdout`."""
 
     @functools.wraps(run)
-    def run_bench(args):
+    def run_command(args):
         with results_only_on_stdout():
             return run(args)
 
-    return run_bench
+    return run_command
