@@ -68,8 +68,8 @@ class RayMetricsMirror:
             metric.observe(value, tags=tags)
 
 
-def replica_metrics(role: str, model_name: str, replica: str | None = None) -> ServeMetrics:
+def replica_metrics(role: str, model_name: str, replica: str | None = None, ray_export: bool = True) -> ServeMetrics:
     """The metrics of one replica: labelled `replica` (default `replica_label(role)`) and `model_name`, and
-    mirrored into Ray's metrics export when this process is a Serve replica."""
-    mirror = RayMetricsMirror() if serve_replica_tag() is not None else None
+    mirrored into Ray's metrics export when `ray_export` and this process is a Serve replica."""
+    mirror = RayMetricsMirror() if ray_export and serve_replica_tag() is not None else None
     return ServeMetrics(replica or replica_label(role), model_name, mirror)

@@ -4,8 +4,7 @@
   `GenerationEngine` driving it) over a deployment handle; ingress and engines scale independently; every
   token chunk crosses one more Ray stream.
 * colocated: one `DSAServer` deployment whose replica is the HTTP app and the engine at once (a CP group
-  per replica); one Ray stream less per token chunk, but HTTP handling and the engine loop share one
-  process. On the 2-core benchmark box neither placement was consistently faster (BENCHMARKS.md).
+  per replica); one Ray stream less per token chunk, but HTTP handling and the engine loop share one process.
 
 Placement: an engine replica (DSAEngine or DSAServer) runs in a placement group of 1 + C bundles
 (`engine_bundles`): bundle 0 holds the replica itself (the engine's asyncio step loop and scheduler), bundles
@@ -104,7 +103,8 @@ def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointTe
                         options.threads_per_worker, bool(options.use_gpu), cp.ep_size, options.kv_cache_dtype,
                         options.deterministic, options.speculative_token_map)
     workers = start_workers(launch)
-    metrics = replica_metrics("engine", (args.served_model_name or [model_dir.name])[0])  # also on Ray's export
+    metrics = replica_metrics("engine", (args.served_model_name or [model_dir.name])[0], None,
+                              args.ingress.ray_metrics_export)  # also on Ray's export unless turned off
     return engine_over_workers(model_dir, cp, options, workers, metrics, text, repair=RayRankRepair(launch))
 
 

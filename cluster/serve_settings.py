@@ -40,6 +40,10 @@ class IngressSettings(BaseModel):
     retry_after_s: int = Field(1, ge=1)  # the Retry-After of a 429
     # `replica` label of the ingress's own metrics; None: ingress-<Serve replica id> (outside Serve: hostname:pid)
     metrics_replica: str | None = Field(None, min_length=1)
+    # Copy every dsa_serve metric (engine replicas' too) into Ray's metrics export (`ray_dsa_serve_*`, what
+    # KubeRay's PodMonitor scrapes). Off: /metrics only; saves Ray's ~17 us of CPU per histogram observation (one
+    # per generated token for the inter-token histogram) in the replica and the node's dashboard agent.
+    ray_metrics_export: bool = True
     served_model_name: list[str] | None = Field(None, min_length=1)  # names `model` may take; None: the folder's
     allowed_origins: list[str] = Field(default_factory=list)  # CORS origins ("*": any); empty: no CORS headers
     reasoning_parser: Literal[REASONING_PARSERS] | None = None  # chat: <think>...</think> as reasoning_content

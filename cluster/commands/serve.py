@@ -38,6 +38,10 @@ def add_parser(commands) -> None:
                              "moves to a free port; cluster/direct_ingress.py). Default: on where one replica "
                              "answers HTTP (--engine-placement separate, or colocated with --replicas 1) on a Ray "
                              "this command starts; off on a cluster it joins (--ray-address, RAY_ADDRESS)")
+    parser.add_argument("--ray-metrics-export", action=argparse.BooleanOptionalAction, default=True,
+                        help="also copy the dsa_serve metrics into Ray's metrics export (ray_dsa_serve_*, what "
+                             "KubeRay's PodMonitor scrapes); --no-ray-metrics-export: /metrics only, saving Ray's "
+                             "CPU per histogram observation (one per generated token)")
     drain = ServeAppArgs.model_fields["drain_timeout_s"]
     parser.add_argument("--drain-timeout-s", type=float, default=drain.default, help=drain.description)
     parser.set_defaults(run=run)
@@ -73,7 +77,8 @@ def app_args(args: argparse.Namespace):
     fields = {name: getattr(args, name) for name in names}
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
         fields["drain_timeout_s"] = args.drain_timeout_s
-    ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None))}
+    ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None)),
+               "ray_metrics_export": getattr(args, "ray_metrics_export", True)}  # `bench serve`: on, as the default
     if getattr(args, "port", None) is not None and direct_ingress_on(args):  # `serve`; `bench serve` picks a port
         fields.update(direct_ingress_port=args.port, direct_ingress_host=args.host)
     fields.update(limits_from(args), ingress=ingress)

@@ -162,7 +162,8 @@ def _open_ingress(engine_client: EngineClient, settings: IngressSettings, text: 
         raise ValueError(f"model_dir: the engine's checkpoint has a chat template but {settings.model_dir!r} has no "
                          "tokenizer_config.json chat_template; point IngressSettings.model_dir at the checkpoint")
     return Ingress(engine_client, settings, info, ModelLimits(info.vocab_size, info.max_model_len), encoder,
-                   replica_metrics("ingress", (settings.served_model_name or [info.name])[0], settings.metrics_replica),
+                   replica_metrics("ingress", (settings.served_model_name or [info.name])[0], settings.metrics_replica,
+                                   settings.ray_metrics_export),
                    int(time.time()), sampling_defaults(settings.model_dir))
 
 

@@ -86,3 +86,19 @@ def test_every_ingress_series_is_on_rays_metrics_export(served):
         time.sleep(2)
     assert not missing, missing
     print("\n".join(sorted({f"ray_dsa_serve_{name}" for name, _ in exported})))
+
+
+@pytest.mark.parametrize("argv, copied", [([], True), (["--no-ray-metrics-export"], False)])
+def test_no_ray_metrics_export_leaves_the_metrics_on_the_ingress_only(monkeypatch, argv, copied):
+    """`serve --no-ray-metrics-export` reaches IngressSettings; a replica's metrics then have no Ray mirror (the
+    metrics of a process outside Serve never have one)."""
+    from cluster import cli, ray_metrics
+    from cluster.commands.serve import app_args
+
+    args = app_args(cli.build_parser().parse_args(["serve", *argv]))
+    assert args.ingress.ray_metrics_export is copied
+    assert ray_metrics.replica_metrics("engine", MODEL, None, copied).mirror is None  # not a Serve replica
+    monkeypatch.setattr(ray_metrics, "serve_replica_tag", lambda: "dsa-serve#DSAServer#abc")
+    metrics = ray_metrics.replica_metrics("engine", MODEL, None, args.ingress.ray_metrics_export)
+    assert isinstance(metrics.mirror, ray_metrics.RayMetricsMirror) is copied
+    assert metrics.replica == "engine-dsa-serve#DSAServer#abc"
