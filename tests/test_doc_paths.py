@@ -5,7 +5,9 @@ Scanned: README.md, docs/**/*.md, deploy/README.md, and the module, class and fu
 `ast`) of every .py under cluster/, cp_router/, model_workers/, benchmarks/ and tests/. A repository path is a
 token that starts with a top-level folder (`cp_router/cp/metadata.py`) or names a top-level file (`Makefile`).
 Globs must match at least one file; tokens holding a placeholder (`<family>`, `{id}`) are skipped; trailing
-punctuation, `path:line` and `path::name` are cut off. Markdown links relative to a page must resolve too.
+punctuation, `path:line` and `path::name` are cut off. Markdown links relative to a page must resolve too. The
+design notes that lived outside the repository may not be cited anywhere in those files, comments and help texts
+included: the docs pages took their place.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 TOP_FOLDERS = ("cluster", "cp_router", "model_workers", "deploy", "docs", "tests", "benchmarks", "bench-results")
 TOP_FILES = ("README.md", "BENCHMARKS.md", "Makefile", "pyproject.toml")
 CODE_ROOTS = ("cluster", "cp_router", "model_workers", "benchmarks", "tests")
-# Files outside the repository that a clone does not have: no page or docstring may cite them.
-OUTSIDE_CITATIONS = re.compile(r"(?:\.\./)+shared/[\w./\-]*|\b(?:" + "DESIGN" + "|" + "deepseek_v4" + r")\.md\b")
+# Files outside the repository that a clone does not have: no scanned file may cite them, in a docstring, a comment
+# or a help text. (The names are split here so that this file does not cite them either.)
+SHARED, DESIGN, V4_NOTE = ".." + "/shared/", "DESIGN", "deepseek_v4" + ".md"
+OUTSIDE_CITATIONS = re.compile(r"(?:\.\./)+shared/[\w./\-]*|\b" + DESIGN + r"(?:\.md\b|\s*§|\s+section\b)|\b"
+                               + re.escape(V4_NOTE) + r"\b")
 
 _BOUNDARY = r"(?<![\w./\-])"  # not inside a longer path, a URL or a word
 PATH_TOKEN = re.compile(_BOUNDARY + r"(?:" + "|".join(map(re.escape, TOP_FOLDERS)) + r")/[^\s`'\"()\[\],;|]*")
@@ -91,7 +96,13 @@ def broken_links(page: Path, repo: Path = REPO) -> list[str]:
 
 
 def outside_citations(text: str, where: str) -> list[str]:
-    return [f"{where}: cites {m.group(0)}" for m in OUTSIDE_CITATIONS.finditer(text)]
+    return [f"{where}:{text.count(chr(10), 0, m.start()) + 1}: cites {m.group(0)}"
+            for m in OUTSIDE_CITATIONS.finditer(text)]
+
+
+def whole_files(repo: Path = REPO) -> list[tuple[str, str]]:
+    """(where, text) of every scanned document and source file, whole: where outside citations are looked for."""
+    return [(str(p.relative_to(repo)), p.read_text()) for p in doc_files(repo) + code_files(repo)]
 
 
 def sources(repo: Path = REPO) -> list[tuple[str, str]]:
@@ -115,8 +126,8 @@ def test_every_relative_link_of_a_docs_page_resolves():
     assert [problem for page in doc_files() for problem in broken_links(page)] == []
 
 
-def test_no_document_or_docstring_cites_a_file_outside_the_repository():
-    assert [problem for where, text in sources() for problem in outside_citations(text, where)] == []
+def test_no_document_or_source_file_cites_a_file_outside_the_repository():
+    assert [problem for where, text in whole_files() for problem in outside_citations(text, where)] == []
 
 
 # The checker itself: it must see what it is for, so that an empty list above means something.
@@ -154,9 +165,11 @@ def test_docstrings_are_read_from_modules_classes_and_functions():
 
 
 def test_the_checker_sees_a_citation_outside_the_repository_and_a_broken_link(tmp_path):
-    cited = "../shared/" + "DESIGN" + ".md section 4"
-    assert outside_citations(cited, "probe") == ["probe: cites " + "../shared/" + "DESIGN" + ".md"]
-    assert outside_citations("see " + "deepseek_v4" + ".md section 3", "probe") == ["probe: cites deepseek_v4.md"]
+    assert outside_citations(SHARED + DESIGN + ".md section 4", "probe") == [f"probe:1: cites {SHARED}{DESIGN}.md"]
+    assert outside_citations(f"see\n{V4_NOTE} section 3", "probe") == [f"probe:2: cites {V4_NOTE}"]
+    assert outside_citations(f"# {DESIGN} §10 layout; {DESIGN} section 5", "probe") == [
+        f"probe:1: cites {DESIGN} §", f"probe:1: cites {DESIGN} section"]
+    assert outside_citations("docs/architecture.md, 'The engine spec'; models/deepseek_v4/", "probe") == []
     (tmp_path / "docs").mkdir()
     page = tmp_path / "docs" / "x.md"
     page.write_text("[ok](x.md) [web](https://example.com) [anchor](#top) [gone](y.md#part)")
