@@ -32,6 +32,7 @@ _BOUNDARY = r"(?<![\w./\-])"  # not inside a longer path, a URL or a word
 PATH_TOKEN = re.compile(_BOUNDARY + r"(?:" + "|".join(map(re.escape, TOP_FOLDERS)) + r")/[^\s`'\"()\[\],;|]*")
 FILE_TOKEN = re.compile(_BOUNDARY + r"(?:" + "|".join(map(re.escape, TOP_FILES)) + r")(?![\w\-])")
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING_CITATION = re.compile(r"(docs/[\w/\-]+\.md),? ['\"]([^'\"\n]+)['\"]")  # docs/models.md, 'What a family provides'
 PLACEHOLDER = re.compile(r"[<>{}]|\$\(|\.\.\.")
 
 
@@ -83,16 +84,42 @@ def missing_in_text(text: str, where: str, repo: Path = REPO) -> list[str]:
     return [f"{where}: {path}" for path in dict.fromkeys(paths_in(text)) if not exists(path, repo)]
 
 
+def headings(page: Path) -> list[str]:
+    """The headings of a markdown page (outside code fences), backticks dropped."""
+    found, fence = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and (m := re.match(r"#{1,6}\s+(.*?)\s*$", line)):
+            found.append(m.group(1).replace("`", ""))
+    return found
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def broken_links(page: Path, repo: Path = REPO) -> list[str]:
-    """Markdown links of a page that point at a file of the repository (relative to the page) that is not there."""
+    """Markdown links of a page to a file of the repository (relative to the page) that is not there, or to a
+    heading (`#anchor`) that page does not have."""
     problems = []
     for target in MARKDOWN_LINK.findall(page.read_text()):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
-            continue  # a URL, a mail address, or an anchor on the same page
-        resolved = (page.parent / target.split("#")[0]).resolve()
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL or a mail address
+        file_part, _, anchor = target.partition("#")
+        resolved = (page.parent / file_part).resolve() if file_part else page
         if not resolved.exists():
             problems.append(f"{page.relative_to(repo)}: link {target}")
+        elif anchor and resolved.suffix == ".md" and anchor not in map(slug, headings(resolved)):
+            problems.append(f"{page.relative_to(repo)}: link {target}: no such heading")
     return problems
+
+
+def missing_headings(text: str, where: str, repo: Path = REPO) -> list[str]:
+    """Citations of a docs page's section by its heading (`docs/kv_cache.md, 'FP8 layout'`) that the page lacks."""
+    return [f"{where}: {page}, '{heading}'" for page, heading in HEADING_CITATION.findall(text)
+            if (repo / page).is_file() and heading not in headings(repo / page)]
 
 
 def outside_citations(text: str, where: str) -> list[str]:
@@ -120,6 +147,10 @@ def missing_paths(repo: Path = REPO) -> list[str]:
 
 def test_every_repository_path_named_in_the_docs_and_docstrings_exists():
     assert missing_paths() == []
+
+
+def test_every_docs_section_cited_by_its_heading_exists():
+    assert [problem for where, text in sources() for problem in missing_headings(text, where)] == []
 
 
 def test_every_relative_link_of_a_docs_page_resolves():
@@ -172,5 +203,8 @@ def test_the_checker_sees_a_citation_outside_the_repository_and_a_broken_link(tm
     assert outside_citations("docs/architecture.md, 'The engine spec'; models/deepseek_v4/", "probe") == []
     (tmp_path / "docs").mkdir()
     page = tmp_path / "docs" / "x.md"
-    page.write_text("[ok](x.md) [web](https://example.com) [anchor](#top) [gone](y.md#part)")
-    assert broken_links(page, tmp_path) == ["docs/x.md: link y.md#part"]
+    page.write_text("# The `top` part\n[ok](x.md) [web](https://example.com) [anchor](#the-top-part) [gone](y.md#part)"
+                    " [lost](x.md#no-part)\n```\n# not a heading\n```\n")
+    assert broken_links(page, tmp_path) == ["docs/x.md: link y.md#part", "docs/x.md: link x.md#no-part: no such heading"]
+    cited = "see docs/x.md, 'The top part' and docs/x.md, 'not a heading'"
+    assert missing_headings(cited, "probe", tmp_path) == ["probe: docs/x.md, 'not a heading'"]
