@@ -23,8 +23,11 @@ test: install
 # not included (`make soak`, about 13 more). On 2026-12-03 the commands other than attention, decode_draft_*,
 # serve_colocated and serve_long took 31 minutes (prefill_zigzag 351 s of them); serve_colocated takes about 7
 # and serve_long's timed runs about 11 (transformers' four 8k generates alone 415 s).
+# `dsa-serve bench` is what the package installs; `python -m benchmarks` is the repository's measuring harness
+# (the transformers baselines, the long workload, the report; docs/benchmarks.md).
 BENCH_DIR ?= bench-results
 DSA := $(VENV)/bin/dsa-serve
+HARNESS := $(PY) -m benchmarks
 bench: install
 	mkdir -p $(BENCH_DIR)
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 1024,2048,4096,8192,16384 --repeats 3 --json > $(BENCH_DIR)/prefill_zigzag.json
@@ -35,10 +38,10 @@ bench: install
 	$(DSA) bench decode --ray --speculative-num-steps 0,2 --batch-size 8 --json > $(BENCH_DIR)/decode_ray.json
 	$(DSA) bench decode --speculative-num-steps 0,2 --batch-size 1 --max-tokens 64 --speculative-token-map none --json > $(BENCH_DIR)/decode_draft_full_vocab.json
 	$(DSA) bench decode --speculative-num-steps 0,2 --batch-size 1 --max-tokens 64 --json > $(BENCH_DIR)/decode_draft_vocab.json
-	$(DSA) bench serve --engine-placement colocated --json > $(BENCH_DIR)/serve_colocated.json
+	$(HARNESS) serve --engine-placement colocated --json > $(BENCH_DIR)/serve_colocated.json
 	$(DSA) bench serve --engine-placement separate --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_separate.json
 	$(DSA) bench serve --engine-placement colocated --no-direct-ingress --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_colocated_proxy.json
-	$(DSA) bench serve --workload long --speculative-num-steps 2 --json > $(BENCH_DIR)/serve_long.json
+	$(HARNESS) serve --workload long --speculative-num-steps 2 --json > $(BENCH_DIR)/serve_long.json
 	$(DSA) bench ep --json > $(BENCH_DIR)/ep.json
 	$(DSA) bench ep-exchange --json > $(BENCH_DIR)/ep_exchange.json
 	$(DSA) bench kv-cache --json > $(BENCH_DIR)/kv_cache.json
@@ -50,14 +53,15 @@ bench: install
 	$(DSA) bench prefill --cp-size 2 --prompt-len 8192 --skip-equal-cores --enable-deterministic-inference --json > $(BENCH_DIR)/prefill_deterministic.json
 	$(DSA) random-checkpoint --out build/v4_small --shape small
 	$(DSA) bench prefill --model build/v4_small --cp-size 2 --cp-strategy interleave --cp-impl v2 --prompt-len 1024,2048,4096 --repeats 2 --json > $(BENCH_DIR)/prefill_v4.json
-	$(DSA) bench report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes.md
+	$(HARNESS) report --results $(BENCH_DIR) --out BENCHMARKS.md --plots-dir docs/bench --notes docs/bench_notes
 
 # A real `dsa-serve serve` under SOAK_S seconds of mixed load with disconnects (10 minutes, plus about 2 of start,
-# snapshots and stop): JSON in $(BENCH_DIR)/soak.json, progress and a summary on stderr, exit 1 if a check fails.
+# snapshots and stop), the test tests/soak/test_soak.py (not part of `make test`): the harness's JSON in
+# $(BENCH_DIR)/soak.json, the server's log in $(BENCH_DIR)/soak_server.log, and the test fails if a check fails.
 SOAK_S ?= 600
 soak: install
 	mkdir -p $(BENCH_DIR)
-	$(DSA) bench soak --duration-s $(SOAK_S) --json --server-log $(BENCH_DIR)/soak_server.log > $(BENCH_DIR)/soak.json
+	DSA_SOAK_S=$(SOAK_S) DSA_SOAK_OUT=$(BENCH_DIR) $(PY) -m pytest -q -s -m soak tests/soak
 
 clean:
 	rm -rf $(VENV)

@@ -10,14 +10,16 @@ PROMPTS = (
     "def __init__(self", "import os\nimport sys\n\n", "class Parser:\n    ", "for i in range(",
     "    return self.", "if __name__ == '__main__':\n", "def read(path):\n    with open(", "# Copyright",
 )
+PROGRAM = "dsa-serve bench"  # what a result's `command` starts with, unless the parser sets `command_prefix`
 
 
 def spelled_command(kind: str, args: argparse.Namespace, names: tuple[str, ...],
                     negatable: tuple[str, ...] = ()) -> str:
     """`dsa-serve bench KIND --flag value ...` with every setting in `names` spelled out (flags set to True
     appear bare, False / None ones are left out, but False is `--no-flag` for the `negatable` ones) and --json:
-    the command that reproduces the result."""
-    words = ["dsa-serve", "bench", kind]
+    the command that reproduces the result. `args.command_prefix`, where a parser sets it, replaces `dsa-serve
+    bench` (the repository's harness sets `python -m benchmarks`)."""
+    words = [*shlex.split(getattr(args, "command_prefix", PROGRAM)), kind]
     for name in names:
         value = getattr(args, name)
         if value is False and name in negatable:
@@ -50,7 +52,7 @@ def held_out_stream(model_dir, what: str) -> list[int]:
     """The held-out standard-library sources (model_workers/training/corpus.py) as one token stream of the
     checkpoint's tokenizer, files joined by EOS; ValueError naming `what` when the checkpoint has no tokenizer."""
     from model_workers.checkpoint.tokenizer import load_tokenizer
-    from model_workers.model.config import load_model_config
+    from model_workers.checkpoint.model_dir import load_model_config
     from model_workers.training.corpus import EOS_TOKEN, stdlib_files, token_stream
 
     tokenizer = load_tokenizer(model_dir)

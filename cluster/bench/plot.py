@@ -1,10 +1,10 @@
 """PNG plots of bench results: `save_plot(result, path)` picks the plot by result["bench"].
 
 matplotlib is optional (`pip install 'dsa-serve[bench]'`) and imported only when a plot is drawn, with
-the non-interactive Agg backend. The "serve" plot is `cluster.bench.serve_report.plot` (the long workload's:
-`serve_long_report.plot_long`).
+the non-interactive Agg backend. These are the plots a bench's `--plot FILE.png` draws; the "serve" plot is
+`cluster.bench.serve_result.plot`. The long workload's plot is the harness's (benchmarks/serve_long_report.py).
 Each plot reads its numbers through a small accessor (`prefill_points`, `decode_series`) so a change
-in a bench's JSON layout is absorbed in one place; the report uses the same accessors.
+in a bench's JSON layout is absorbed in one place; the harness's report and targets use the same accessors.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cluster.bench.render import require_matplotlib
-from cluster.bench.serve_report import plot as plot_serve
+from cluster.bench.serve_result import plot as plot_serve
 
 PREFILL_EFFICIENCY_TARGET = 0.90
 
@@ -34,12 +34,10 @@ def save_plot(result: dict, path: str) -> None:
 
 
 def serve_plot(result: dict, path: str) -> None:
-    """Draws and saves its own figure: serve_report's three panels, or the long workload's two."""
+    """Draws and saves its own figure: serve_result's three panels (a long-workload result: the harness's plot)."""
     if result.get("workload") == "long":
-        from cluster.bench.serve_long_report import plot_long
-
-        plot_long(result, path)
-        return
+        raise ValueError("a --workload long result is plotted by the repository's harness (benchmarks/"
+                         "serve_long_report.py, `python -m benchmarks report`)")
     plot_serve(result, path)
 
 

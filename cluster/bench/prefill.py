@@ -8,7 +8,8 @@ and take turns, prefill by prefill, so that a machine whose speed drifts weighs 
 after another, the C = 1 and the CP runs of one length were minutes apart). Reported: strong-scaling efficiency
 T(C=1, 1 thread) / (C · T(C)), equal-cores ratio T(C=1, C threads) / T(C), per-rank compute and its imbalance
 (measured, and the causal-work model for zigzag / interleave / a contiguous split), the time split per phase,
-KV gather bytes next to the formula, peak RSS per rank and KV bytes per token.
+KV gather bytes next to the formula, peak RSS per rank and KV bytes per token. The groups are Ray actors; at C = 1
+(no --ray-address) there is one group, a worker in this process that is both runs, and Ray is not imported.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def add_parser(kinds) -> None:
 def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, dtype: str, kv_cache_dtype: str = "auto") -> float:
     """KV bytes one rank receives in CP prefill (the per-layer gathers), by formula."""
     if hf_config.get("model_type") == "deepseek_v4":
-        from model_workers.model.v4_config import parse_v4_config
-        from model_workers.v4_cache import gather_bytes_per_token
+        from model_workers.models.deepseek_v4.config import parse_v4_config
+        from model_workers.models.deepseek_v4.cache import gather_bytes_per_token
 
         config = parse_v4_config(hf_config)
         per_token = gather_bytes_per_token(config, int(hf_config.get("num_nextn_predict_layers") or 0),
@@ -83,56 +84,14 @@ def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, dtype: str,
 def kv_bytes_per_token_formula(hf_config: dict, dtype: str, kv_cache_dtype: str = "auto") -> float:
     """Cache bytes one more token of context costs on its owner, by formula."""
     if hf_config.get("model_type") == "deepseek_v4":
-        from model_workers.model.v4_config import parse_v4_config
-        from model_workers.v4_cache import bytes_per_token
+        from model_workers.models.deepseek_v4.config import parse_v4_config
+        from model_workers.models.deepseek_v4.cache import bytes_per_token
 
         return bytes_per_token(parse_v4_config(hf_config), storage_dtype(dtype).itemsize)
-    from model_workers.checkpoint.capacity import kv_bytes_per_token
-    from model_workers.model.config import parse_model_config
+    from model_workers.models.dsa.capacity import kv_bytes_per_token
+    from model_workers.models.registry import parse_model_config
 
     return kv_bytes_per_token(parse_model_config(hf_config), dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
-
-
-def run_configs(model_dir: Path, configs: list[tuple], prompts: dict[int, list[int]], args, repeats: int,
-                paths: tuple[str, ...] = tuple(PATHS)) -> list[dict]:
-    """Each config (cp, threads: a CP group of C ranks, `threads` each) launched once, then every length prefilled
-    on each of `paths`, shortest first, the configs taking turns (`interleaved_prefills`). One dict per config.
-    `args` gives dtype, device, kv_cache_dtype and enable_deterministic_inference (`bench prefill`'s flags)."""
-    import ray
-
-    from cluster.bench.prefill_runs import interleaved_prefills
-    from cluster.engine_limits import prefill_chunk_tokens
-
-    launched = []
-    try:
-        for cp, threads in configs:
-            launched.append((cp, threads, *launch_config(model_dir, cp, threads, prompts, args)))
-        timed = interleaved_prefills(model_dir, [(cp, group.workers, options) for cp, _, group, options in launched],
-                                     prompts, repeats, paths)
-        return [{"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": paths_timed,
-                 "kv_bytes_per_token": ray.get(group.workers[0].kv_bytes_per_token.remote()),
-                 "prefill_chunk_tokens": prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)}
-                for (cp, threads, group, options), paths_timed in zip(launched, timed)]
-    finally:
-        for _, _, group, _ in launched:
-            group.shutdown()
-
-
-def launch_config(model_dir: Path, cp, threads: int, prompts: dict[int, list[int]], args) -> tuple:
-    """(the launched CP group, its EngineOptions) for one config, cache sized for the longest prompt."""
-    from cluster.engine_setup import EngineOptions
-    from cluster.launch import launch_group
-    from cp_router.cp.padding import ceil_div
-
-    # speculation on (k = 1, which a one-token request never uses): the MTP layer is prefilled, as the FLOP count has it
-    options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64, num_speculative_steps=1,
-                            threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"),
-                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
-                            time_prefill_phases=True)
-    group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
-                         threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype,
-                         deterministic=options.deterministic)
-    return group, options
 
 
 def modeled_imbalance(length: int, cp_size: int, impl: str) -> dict[str, float]:
@@ -189,9 +148,8 @@ def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | No
 def run_prefill(args: argparse.Namespace) -> int:
     from cluster.bench.flops import DEFINITIONS as FLOP_DEFINITIONS
     from cluster.bench.flops import checkpoint_flop_config, gemm_rates
-    from cluster.config import ResolvedCPConfig, resolve_cp_settings
-    from cluster.launch import engine_cpus, ray_session
-    from model_workers.checkpoint.model_dir import resolve_model_dir
+    from cluster.config import resolve_cp_settings
+    from model_workers.checkpoint.model_dir import read_model_spec
 
     lengths = sorted(set(int_list(args.prompt_len, "--prompt-len", 1, 1 << 20)))
     if args.repeats < 1:
@@ -199,16 +157,14 @@ def run_prefill(args: argparse.Namespace) -> int:
     if args.plot:
         from cluster.bench.render import require_matplotlib
         require_matplotlib()
-    model_dir: Path = resolve_model_dir(args.model)
-    cp = resolve_cp_settings(args, model_dir)
-    hf_config = json.loads((model_dir / "config.json").read_text())
+    model = read_model_spec(args.model)  # config.json read once
+    model_dir: Path = model.path
+    cp = resolve_cp_settings(args, model)
+    hf_config = model.raw
     generator = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, hf_config["vocab_size"], (n,), generator=generator).tolist() for n in lengths}
-    single_cp = ResolvedCPConfig(enabled=False, cp_size=1, strategy=cp.strategy, impl=cp.impl)
     with_equal = not args.skip_equal_cores and cp.cp_size > 1
-    configs = [(single_cp, 1)] + ([(single_cp, cp.cp_size)] if with_equal else []) + [(cp, 1)]
-    with ray_session(sum(engine_cpus(c.cp_size) for c, _ in configs), args.ray_address):  # all groups at once
-        timed = run_configs(model_dir, configs, prompts, args, args.repeats)
+    timed = time_configs(model_dir, cp, with_equal, prompts, args)
     single, equal, ranks = timed[0], (timed[1] if with_equal else None), timed[-1]
     flop_setup = checkpoint_flop_config(model_dir), gemm_rates(cp.cp_size, 1)  # Ray is down: nothing else runs
     result = {
@@ -231,6 +187,23 @@ def run_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
+def time_configs(model_dir: Path, cp, with_equal: bool, prompts: dict[int, list[int]], args) -> list[dict]:
+    """`run_configs` of C = 1 with 1 thread, C = 1 with C threads (`with_equal`) and the C ranks, all groups at once
+    on a Ray this command starts or joins. At C = 1 without --ray-address the one C = 1 group is both runs, a worker
+    in this process, and Ray is not imported."""
+    from cluster.bench.prefill_runs import run_configs
+    from cluster.config import ResolvedCPConfig
+
+    if cp.cp_size == 1 and not args.ray_address:
+        return run_configs(model_dir, [(cp, 1)], prompts, args, args.repeats, in_process=True)
+    from cluster.launch import engine_cpus, ray_session
+
+    single_cp = ResolvedCPConfig(enabled=False, cp_size=1, strategy=cp.strategy, impl=cp.impl)
+    configs = [(single_cp, 1)] + ([(single_cp, cp.cp_size)] if with_equal else []) + [(cp, 1)]
+    with ray_session(sum(engine_cpus(c.cp_size) for c, _ in configs), args.ray_address):
+        return run_configs(model_dir, configs, prompts, args, args.repeats)
+
+
 def formula_texts(hf_config: dict, kv_cache_dtype: str = "auto") -> dict[str, str]:
     if hf_config.get("model_type") == "deepseek_v4":
         return {"kv_gather_formula": V4_GATHER_FORMULA, "kv_token_formula": V4_TOKEN_FORMULA}
@@ -243,8 +216,8 @@ def kv_capacity(hf_config: dict) -> dict:
     """Both KV formats side by side (MLA models): bytes per token, tokens per GiB of cache, FP8's capacity gain."""
     if hf_config.get("model_type") == "deepseek_v4":
         return {}
-    from model_workers.checkpoint.capacity import kv_dtype_comparison
-    from model_workers.model.config import parse_model_config
+    from model_workers.models.dsa.capacity import kv_dtype_comparison
+    from model_workers.models.registry import parse_model_config
 
     return {"kv_by_dtype": kv_dtype_comparison(parse_model_config(hf_config))}
 

@@ -2,7 +2,8 @@
 
 A request's prefill may take several engine steps (chunks of `prefill_token_budget` tokens, as served); a step
 observer collects every rank's `StepResult` of the steps that carried the request, and the per-rank numbers
-are their sums (peak RSS: the maximum).
+are their sums (peak RSS: the maximum; for a worker in this process, this process's). `run_configs` launches the
+groups (Ray actors, or at C = 1 one worker in this process, without Ray) and times them in turns.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from cluster.engine_limits import prefill_chunk_tokens
-from cluster.engine_setup import collect, engine_over_workers
+from cluster.engine_setup import collect, engine_over_workers, resolve_engine_spec
 from cp_router.cp.balance import max_over_mean
 from cp_router.plans import StepResult
 from cp_router.protocol import EngineRequest
@@ -90,7 +92,8 @@ def interleaved_prefills(model_dir, configs: list[tuple], prompts: dict[int, lis
         for cp, workers, options in configs:
             served = prefill_chunk_tokens(options.prefill_token_budget, cp.cp_size)
             budget = served if path == "served" else max(longest, served)
-            engines.append(engine_over_workers(model_dir, cp, replace(options, prefill_token_budget=budget), workers))
+            spec = resolve_engine_spec(model_dir, cp, replace(options, prefill_token_budget=budget))
+            engines.append(engine_over_workers(spec, workers))
             time_prefills(engines[-1], next(iter(prompts.values()))[:256], 1, f"{path}-warm")
         for n, prompt in prompts.items():
             runs: list[list[dict]] = [[] for _ in configs]
@@ -100,3 +103,70 @@ def interleaved_prefills(model_dir, configs: list[tuple], prompts: dict[int, lis
             for timed, config_runs in zip(out, runs):
                 timed.setdefault(path, {})[n] = median_run(config_runs)
     return out
+
+
+@dataclass
+class Launched:
+    """One config's rank workers (Ray actors of a CP group, or one worker in this process) and its options."""
+
+    workers: list
+    options: object  # EngineOptions
+    kv_bytes_per_token: Callable[[], int]
+    shutdown: Callable[[], None]
+
+
+def run_configs(model_dir, configs: list[tuple], prompts: dict[int, list[int]], args, repeats: int,
+                paths: tuple[str, ...] = ("served", "one_batch"), in_process: bool = False) -> list[dict]:
+    """Each config (cp, threads: a CP group of C ranks, `threads` each) launched once, then every length prefilled
+    on each of `paths`, shortest first, the configs taking turns (`interleaved_prefills`). One dict per config.
+    `args` gives dtype, device, kv_cache_dtype and enable_deterministic_inference (`bench prefill`'s flags).
+    `in_process`: C = 1 configs as workers in this process (no Ray); else Ray actors on the Ray already up."""
+    launched: list[tuple] = []
+    try:
+        for cp, threads in configs:
+            launched.append((cp, threads, launch_config(model_dir, cp, threads, prompts, args, in_process)))
+        timed = interleaved_prefills(model_dir, [(cp, group.workers, group.options) for cp, _, group in launched],
+                                     prompts, repeats, paths)
+        return [{"threads_per_rank": threads, "cp_size": cp.cp_size, "paths": paths_timed,
+                 "kv_bytes_per_token": group.kv_bytes_per_token(),
+                 "prefill_chunk_tokens": prefill_chunk_tokens(group.options.prefill_token_budget, cp.cp_size)}
+                for (cp, threads, group), paths_timed in zip(launched, timed)]
+    finally:
+        for _, _, group in launched:
+            group.shutdown()
+
+
+def launch_config(model_dir, cp, threads: int, prompts: dict[int, list[int]], args, in_process: bool) -> Launched:
+    """One config's workers and EngineOptions, the cache sized for the longest prompt."""
+    from cluster.engine_setup import EngineOptions
+    from cp_router.cp.padding import ceil_div
+
+    # speculation on (k = 1, which a one-token request never uses): the MTP layer is prefilled, as the FLOP count has it
+    options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64, num_speculative_steps=1,
+                            threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"),
+                            kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
+                            time_prefill_phases=True)
+    if in_process:
+        return local_config(model_dir, cp, threads, options)
+    import ray
+
+    from cluster.launch import launch_group
+
+    group = launch_group(model_dir, cp, options.dtype, options.num_pages, options.page_size,
+                         threads_per_worker=threads, use_gpu=options.use_gpu, kv_cache_dtype=args.kv_cache_dtype,
+                         deterministic=options.deterministic)
+    return Launched(group.workers, options, lambda: ray.get(group.workers[0].kv_bytes_per_token.remote()),
+                    group.shutdown)
+
+
+def local_config(model_dir, cp, threads: int, options) -> Launched:
+    """A C = 1 config as a worker in this process, computing on `threads` torch threads."""
+    import torch
+
+    from cluster.local_worker import InProcessWorker
+
+    if cp.cp_size != 1:
+        raise ValueError(f"a worker in this process is one rank, not a CP group of {cp.cp_size}")
+    torch.set_num_threads(threads)
+    worker = InProcessWorker(resolve_engine_spec(model_dir, cp, options).rank)
+    return Launched([worker], options, worker.worker.kv_bytes_per_token, lambda: None)

@@ -1,6 +1,6 @@
-"""What the reports and plots of the benchmarks share: markdown tables of values, and matplotlib on demand.
+"""matplotlib on demand for the benchmarks' `--plot FILE.png` (plot.py, serve_result.py, and the harness's plots).
 
-A leaf module (it imports no other bench module), so report.py, plot.py and the workload reports can all use it.
+A leaf module (it imports no other bench module), so every plotting module can use it.
 """
 
 from __future__ import annotations
@@ -18,20 +18,3 @@ def require_matplotlib():
     except ImportError:
         raise ValueError(MATPLOTLIB_MISSING) from None
     return plt
-
-
-def fmt(value) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(fmt(v) for v in value)
-    return str(value)
-
-
-def markdown_table(headers: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return lines + ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]

@@ -1,18 +1,19 @@
-"""`dsa-serve bench serve`: the HTTP server under a closed-loop load, next to the in-process engine and `transformers`.
+"""`dsa-serve bench serve`: a load generator: the HTTP server under a closed-loop load, next to the in-process engine.
 
 For every --concurrency level C, C clients send --num-prompts streamed greedy completions back to back (each
-exactly --max-tokens tokens) to `POST /v1/completions` of --url, or of a server this command starts the way
-`dsa-serve serve` does, on a local Ray it starts and stops. The same requests run at the same concurrency
-on a `DSAEngine` in this process, over rank workers started like the server's (Ray actors, the same
-EngineOptions), in rounds alternating with the HTTP ones (serve_server.measure_paths, so a slow spell of this
-shared machine taxes both alike), and HTTP / in-process is the serving overhead (Serve + HTTP + SSE). Last, the
-same prompts run through `transformers` `generate` in batches of C (transformers_baseline.py). Timing
-definitions: load.py.
+exactly --max-tokens tokens) to `POST /v1/completions` of --url (a running OpenAI-compatible server), or of a server
+this command starts the way `dsa-serve serve` does, on a local Ray it starts and stops. The same requests run at the
+same concurrency on a `DSAEngine` in this process, over rank workers started like the server's (Ray actors, the
+same EngineOptions), in rounds alternating with the HTTP ones (serve_server.measure_paths, so a slow spell of this
+shared machine taxes both alike), and HTTP / in-process is the serving overhead (Serve + HTTP + SSE); with
+--skip-in-process only the HTTP side runs. Timing definitions: load.py.
 With --url, --model/--cp-*/--speculative-num-steps/--dtype/--device must describe that server (the in-process
-engine and the baseline are built from them); the model name is checked.
+engine is built from them); the model name is checked.
 With --json the JSON object is the last line of stdout (Ray may print lines of its own before it).
-`--workload long` (held-out prompts of 4k-16k tokens, transformers one request at a time, the prefill's FLOP
-efficiency) is cluster/bench/serve_long.py.
+The `transformers` comparisons are the repository's harness (not installed): `python -m benchmarks serve` runs this
+command's measurement plus batched `transformers` generate on the same prompts, and `--workload long` (held-out
+prompts of 4k-16k tokens, the prefill's FLOP efficiency); see docs/benchmarks.md. Here the result's `transformers`
+block says it was skipped and why.
 """
 
 from __future__ import annotations
@@ -20,33 +21,39 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
-from cluster.bench.serve_long import add_long_arguments, resolve_workload
-from cluster.bench.serve_report import (  # plot: bench_plot "serve"
-    DEFINITIONS,
-    assemble_run,
-    machine,
-    plot,
-    summary_text,
-)
+from cluster.bench.serve_result import DEFINITIONS, assemble_run, machine, plot, summary_text
 from cluster.bench.serve_server import NEGATABLE_FLAGS, SERVE_FLAGS, measure_served, server_info
 from cluster.commands.args import add_server_arguments, int_list
 from cluster.commands.result_output import print_result
 from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
 
-
 MIN_REQUESTS_PER_LEVEL = 32  # TTFT p50 at one stream from 16 requests per path (8 per round) spread 1.07-1.34x
+WORKLOADS = ("short", "long")
+DEFAULT_SHORT_CONCURRENCY = "1,8,32,64"
+HARNESS_BASELINE = "the transformers baseline runs in the repository's harness: python -m benchmarks serve"
+LONG_IN_HARNESS = ("--workload long compares against transformers and runs in the repository's harness, from a "
+                   "checkout: python -m benchmarks serve --workload long ... (docs/benchmarks.md)")
 
 
 def add_parser(kinds) -> None:
-    bench = kinds.add_parser("serve", help="HTTP server under load: TTFT, ITL, tokens/s vs in-process and transformers")
+    bench = kinds.add_parser("serve", help="HTTP server under a closed-loop load: TTFT, ITL, tokens/s vs in-process")
+    add_arguments(bench)
+    bench.set_defaults(run=run)
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """The flags of `dsa-serve bench serve`, which the harness's `python -m benchmarks serve` shares."""
     bench.add_argument("--url", default=None, help="a running server (default: start one here, stop it at the end)")
     add_server_arguments(bench, dtype_default="bfloat16")
-    add_long_arguments(bench)
+    bench.add_argument("--workload", choices=WORKLOADS, default="short",
+                       help="short: short code prompts (or --prompt-len random ones); long: held-out prompts of "
+                            "4k-16k tokens against transformers, run by the harness (python -m benchmarks serve)")
     bench.add_argument("--concurrency", default=None, help="comma list of closed-loop client counts (default "
                                                            "1,8,32,64; --workload long: 1,4)")
     bench.add_argument("--num-prompts", type=int, default=None,
@@ -62,15 +69,23 @@ def add_parser(kinds) -> None:
     bench.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
                        help="the server it starts answers at its HTTP replica, no Serve proxy hop, as `serve` does "
                             "by default with one replica (default: on; --no-direct-ingress: through Serve's proxy)")
-    bench.add_argument("--skip-transformers", action="store_true", help="no transformers generate baseline")
+    bench.add_argument("--skip-transformers", action="store_true",
+                       help="no transformers generate baseline (it runs only in `python -m benchmarks serve`)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the results into this image")
-    bench.set_defaults(run=run)
 
 
-def check_arguments(args: argparse.Namespace) -> list[int]:
-    """The concurrency levels (the workload's defaults filled in); ValueError naming the flag for anything out of
-    range."""
+def short_workload(args: argparse.Namespace) -> None:
+    """The short workload's defaults; ValueError for --workload long, which the harness runs."""
+    if args.workload != "short":
+        raise ValueError(LONG_IN_HARNESS)
+    args.concurrency = args.concurrency or DEFAULT_SHORT_CONCURRENCY
+    args.skip_in_process = bool(args.skip_in_process)
+
+
+def check_arguments(args: argparse.Namespace, resolve_workload: Callable = short_workload) -> list[int]:
+    """The concurrency levels (`resolve_workload` fills in the workload's defaults); ValueError naming the flag for
+    anything out of range."""
     resolve_workload(args)
     levels = list(dict.fromkeys(int_list(args.concurrency, "--concurrency", 1, 256)))
     for flag, value, low in [("--max-tokens", args.max_tokens, 1), ("--prompt-len", args.prompt_len, 0),
@@ -103,7 +118,7 @@ def check_plot_path(path: str) -> None:
 def build_prompts(model_dir: Path, prompt_len: int) -> list[tuple[str | list[int], list[int]]]:
     """(what the HTTP request sends, the token ids) per prompt: code prompts as text, else random token ids."""
     from model_workers.checkpoint.tokenizer import encode, load_tokenizer
-    from model_workers.model.config import load_model_config
+    from model_workers.checkpoint.model_dir import load_model_config
 
     tokenizer = load_tokenizer(model_dir)
     if prompt_len == 0 and tokenizer is not None:
@@ -131,27 +146,29 @@ def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], ht
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.bench.transformers_baseline import run_baseline
+    return run_short(args, check_arguments(args))
+
+
+def run_short(args: argparse.Namespace, levels: list[int], baseline_fn: Callable | None = None) -> int:
+    """The short workload, start to end (after `check_arguments`); prints the result. `baseline_fn(model_dir,
+    level_prompts, max_tokens, dtype, device, threads)` is the harness's `transformers` baseline (None: skipped)."""
     from cluster.commands.serve import app_args
     from cluster.config import resolve_cp_settings
-    from model_workers.checkpoint.model_dir import resolve_model_dir
+    from model_workers.checkpoint.model_dir import read_model_spec
 
-    levels = check_arguments(args)
-    if args.workload == "long":
-        from cluster.bench.serve_long import run_long
-
-        return run_long(args, levels)
     settings = app_args(args)
-    model_dir = resolve_model_dir(settings.model)
-    cp = resolve_cp_settings(settings, model_dir)
+    model = read_model_spec(settings.model)
+    model_dir = model.path
+    cp = resolve_cp_settings(settings, model)
     prompts = build_prompts(model_dir, args.prompt_len)
     plan = {c: args.num_prompts or max(MIN_REQUESTS_PER_LEVEL, 4 * c) for c in levels}
     http, in_process, _ = measure_served(args, model_dir, cp, settings, {None: (prompts, plan)})
     http, in_process = http[None], in_process and in_process[None]
-    baseline = {"skipped": True, "reason": "--skip-transformers"}
-    if not args.skip_transformers:
+    reason = "--skip-transformers" if args.skip_transformers else HARNESS_BASELINE
+    baseline = {"skipped": True, "reason": reason}
+    if baseline_fn is not None and not args.skip_transformers:
         level_prompts = {c: [prompts[i % len(prompts)][1] for i in range(n)] for c, n in plan.items()}
-        baseline = run_baseline(model_dir, level_prompts, args.max_tokens, args.dtype, args.device, cp.cp_size)
+        baseline = baseline_fn(model_dir, level_prompts, args.max_tokens, args.dtype, args.device, cp.cp_size)
     result = build_result(args, model_dir, cp, prompts, levels, http, in_process, baseline)
     print_result(json.dumps(result) if args.json else summary_text(result))
     if args.plot:

@@ -1,7 +1,8 @@
 """The server side of `dsa-serve bench serve`: start `serve`'s app here (or use --url), and run the closed-loop levels
 over HTTP and on an in-process engine over rank workers started like the server's, in alternating rounds while
 both are up (load.py times the requests).
-Both workloads of `bench serve` (serve.py, serve_long.py) measure through these functions.
+Both workloads of `bench serve` measure through these functions: the short one (serve.py) and the repository
+harness's long one (benchmarks/serve_long.py).
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ def measure_with_server(args, model_dir: Path, cp, settings, groups: dict, heade
     """measure_both against the server (started here unless --url; at its HTTP replica's own port with direct
     ingress) and, unless skipped, an in-process engine whose rank group is shut down when the measuring
     ends."""
-    from cluster.engine_setup import start_engine
-    from cluster.serve_app import engine_options
+    from cluster.ray_engine import start_engine
+    from cluster.replica_engine import engine_options
 
     engine, group = (None, None) if args.skip_in_process else start_engine(model_dir, cp,
                                                                              engine_options(settings, model_dir))

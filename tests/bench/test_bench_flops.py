@@ -1,5 +1,5 @@
 """`cluster/bench/flops.py`: the prefill FLOP count against a hand computation, the efficiency it gives, the GEMM
-rate, and the efficiency table `bench report` shows for `bench prefill` results."""
+rate, and the efficiency table the harness's report (benchmarks/report.py) shows for `bench prefill` results."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from cluster.bench.flops import (
     prefill_flops,
     sparse_keys,
 )
-from cluster.cli import main
-from model_workers.model.config import parse_model_config
+from benchmarks.cli import main
+from model_workers.models.registry import parse_model_config
 
 TINY = {  # layer 0 dense, layer 1 MoE, one MTP layer: every term of the count is exercised
     "model_type": "deepseek_v32", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
@@ -100,7 +100,7 @@ def test_report_shows_the_flop_efficiency_of_prefill_lengths(tmp_path):
     folder = tmp_path / "results"
     folder.mkdir()
     (folder / "prefill.json").write_text(json.dumps({"bench": "prefill", "cp_size": 2, "lengths": [entry]}))
-    assert main(["bench", "report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
+    assert main(["report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
                  "--plots-dir", str(tmp_path / "plots")]) == 0
     text = (tmp_path / "B.md").read_text()
     assert "| L | C | wall s | model GFLOP | GEMM GFLOP/s rank | GEMM GFLOP/s all | efficiency |" in text

@@ -1,15 +1,17 @@
-"""`dsa-serve bench report` from synthetic bench JSON: tables, target verdicts, plots, missing pieces."""
+"""`python -m benchmarks report` (benchmarks/report.py) from synthetic bench JSON: tables, target verdicts, plots,
+missing pieces, notes; and the plots of the installed benches (cluster/bench/plot.py)."""
 
 import json
 import sys
 
 import pytest
 
+from benchmarks.cli import main
+from benchmarks.targets import evaluate
 from cluster.bench.common import model_fingerprint
 from cluster.bench.plot import prefill_points, save_plot
 from cluster.bench.render import MATPLOTLIB_MISSING
-from cluster.bench.targets import evaluate
-from cluster.cli import main
+from cluster.cli import main as cli_main
 
 GIB = 1 << 30
 
@@ -63,7 +65,7 @@ def results_dir(tmp_path):
 
 
 def write_report(results_dir, out_dir):
-    code = main(["bench", "report", "--results", str(results_dir), "--out", str(out_dir / "BENCHMARKS.md"),
+    code = main(["report", "--results", str(results_dir), "--out", str(out_dir / "BENCHMARKS.md"),
                  "--plots-dir", str(out_dir / "plots")])
     assert code == 0
     return (out_dir / "BENCHMARKS.md").read_text()
@@ -124,8 +126,14 @@ def test_save_plot_errors_name_the_problem(tmp_path, monkeypatch):
 
 
 def test_report_needs_a_results_folder(tmp_path, capsys):
-    assert main(["bench", "report", "--results", str(tmp_path / "missing")]) == 2
+    assert main(["report", "--results", str(tmp_path / "missing")]) == 2
     assert "--results must be a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["report", "soak"])
+def test_the_installed_cli_points_to_the_harness_for_what_moved(kind, capsys):
+    assert cli_main(["bench", kind, "--results", "x"]) == 2
+    assert f"run `python -m benchmarks {kind} ...` from a checkout" in capsys.readouterr().err
 
 
 def test_prefill_points_read_both_layouts():
@@ -149,7 +157,7 @@ def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
     (folder / "prefill.json").write_text(json.dumps(result))
     notes = tmp_path / "notes.md"
     notes.write_text("## What stands in the way\n\nexplained here")
-    assert main(["bench", "report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
+    assert main(["report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
                  "--plots-dir", str(tmp_path / "plots"), "--notes", str(notes)]) == 0
     text = (tmp_path / "B.md").read_text()
     assert "| 8192 | 2 | 9 | 5 | 4.8 | 1.875 | 0.9375 | 1.04 | 1.02 | 10 | 10 | 1 |" in text
@@ -164,7 +172,7 @@ def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
 
 def test_a_result_after_ray_lines_on_stdout_is_read(tmp_path):
     """`bench serve --json > FILE` may hold Ray's own lines before the JSON object (its last line)."""
-    from cluster.bench.report import load_results
+    from benchmarks.report import load_results
 
     (tmp_path / "serve_x.json").write_text("(raylet) Task ServeController.graceful_shutdown failed.\n"
                                            + json.dumps({"bench": "serve", "runs": []}) + "\n")

@@ -1,5 +1,6 @@
-"""`dsa-serve bench serve`: percentiles, the closed loop, SSE and engine timing accounting, the transformers
-baseline, flag errors, and one end-to-end run against a server it starts (Ray Serve, the default model)."""
+"""`dsa-serve bench serve` and the harness's `python -m benchmarks serve`: percentiles, the closed loop, SSE and
+engine timing accounting, the transformers baseline, flag errors, and one end-to-end run against a server it starts
+(Ray Serve, the default model)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -24,8 +26,8 @@ from cluster.bench.load import (
     percentiles,
     summarize,
 )
-from cluster.bench.serve_report import assemble_run, plot, summary_text
-from cluster.bench.transformers_baseline import run_baseline
+from benchmarks.transformers_baseline import run_baseline
+from cluster.bench.serve_result import assemble_run, plot, summary_text
 from cluster.cli import main as cli_main
 from cluster.engine_setup import EngineOptions
 from cluster.http_api.ingress import build_app
@@ -35,6 +37,8 @@ from model_workers.comm import free_port
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine
 from support.http_fakes import FakeEngine, write_checkpoint_files
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_percentiles_interpolate_between_ranks_and_handle_no_values():
@@ -204,14 +208,14 @@ def finite_positive(value) -> bool:
 @pytest.mark.slow
 def test_bench_serve_end_to_end_against_a_server_it_starts(tmp_path):
     plot_path = tmp_path / "serve.png"
-    command = [sys.executable, "-m", "cluster.cli", "bench", "serve", "--concurrency", "1,2", "--num-prompts", "2",
+    command = [sys.executable, "-m", "benchmarks", "serve", "--concurrency", "1,2", "--num-prompts", "2",
                "--max-tokens", "4", "--warmup", "1", "--json", "--plot", str(plot_path)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout)  # the result alone on stdout, though Ray prints its own lines while it runs
     assert (result["bench"], result["max_tokens"], result["server"]["started_here"]) == ("serve", 4, True)
-    assert result["command"].startswith("dsa-serve bench serve ") and "--concurrency 1,2" in result["command"]
+    assert result["command"].startswith("python -m benchmarks serve ") and "--concurrency 1,2" in result["command"]
     assert result["machine"]["cpu_count"] >= 1 and not result["transformers"]["skipped"]
     assert [run["concurrency"] for run in result["runs"]] == [1, 2]
     for run in result["runs"]:
@@ -226,7 +230,7 @@ def test_bench_serve_end_to_end_against_a_server_it_starts(tmp_path):
 
 
 def test_transformers_baseline_also_tries_float32_for_bf16_on_cpu():
-    from cluster.bench.transformers_baseline import baseline_dtypes
+    from benchmarks.transformers_baseline import baseline_dtypes
 
     assert baseline_dtypes("bfloat16", "cpu") == ["bfloat16", "float32"]
     assert baseline_dtypes("bfloat16", "cuda") == ["bfloat16"]

@@ -1,5 +1,6 @@
-"""`dsa-serve bench serve --workload long`: the held-out prompts, the transformers queue derivation and streamer,
-flag errors, the report / targets / plot of a long result, and one small end-to-end run."""
+"""`python -m benchmarks serve --workload long` (benchmarks/serve_long.py): the held-out prompts, the transformers
+queue derivation and streamer, flag errors, the report / targets / plot of a long result, and one small end-to-end
+run."""
 
 from __future__ import annotations
 
@@ -8,20 +9,23 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from benchmarks.cli import build_parser
+from benchmarks.cli import main as harness_main
+from benchmarks.serve_long import efficiency_block, long_prompts, resolve_workload
+from benchmarks.transformers_long import TokenClock, queued_timings
 from cluster.bench.common import _EndOfFileAs, cut_windows, window_offsets
 from cluster.bench.load import summarize
 from cluster.bench.serve import check_arguments
-from cluster.bench.serve_long import efficiency_block, long_prompts
-from cluster.bench.transformers_long import TokenClock, queued_timings
-from cluster.cli import build_parser
-from cluster.cli import main as cli_main
 from cluster.commands.aliases import resolve_speculation
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.checkpoint.tokenizer import load_tokenizer
 from model_workers.training.corpus import stdlib_files, token_stream
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(e2e_s: float, offsets: list[float]) -> dict:
@@ -107,9 +111,9 @@ def test_a_prefill_not_run_or_failed_is_a_skipped_efficiency_with_the_reason():
 
 
 def parsed(*flags: str):
-    args = build_parser().parse_args(["bench", "serve", *flags])
-    resolve_speculation(args)  # as cli.main does first
-    return args, check_arguments(args)
+    args = build_parser().parse_args(["serve", *flags])
+    resolve_speculation(args)  # as the harness's main does first
+    return args, check_arguments(args, resolve_workload)
 
 
 def test_long_defaults_and_short_defaults_unchanged():
@@ -134,13 +138,13 @@ def test_long_defaults_and_short_defaults_unchanged():
     (["--prompt-len", "16"], "--prompt-len"),
 ])
 def test_invalid_long_flags_exit_2_naming_the_flag(capsys, flags, named):
-    assert cli_main(["bench", "serve", "--workload", "long", *flags]) == 2
+    assert harness_main(["serve", "--workload", "long", *flags]) == 2
     assert named in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value", [("--long-prompt-lens", "128"), ("--efficiency-prefill-len", "64")])
 def test_long_flags_on_the_short_workload_exit_2(capsys, flag, value):
-    assert cli_main(["bench", "serve", flag, value]) == 2
+    assert harness_main(["serve", flag, value]) == 2
     assert f"{flag} is a --workload long flag" in capsys.readouterr().err
 
 
@@ -168,8 +172,8 @@ def test_report_table_targets_and_plot_of_a_long_result(tmp_path):
     folder = tmp_path / "results"
     folder.mkdir()
     (folder / "serve_long.json").write_text(json.dumps(long_result({8192: (13.0, 0.05), 16384: (15.0, 0.04)}, 0.4)))
-    assert cli_main(["bench", "report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
-                     "--plots-dir", str(tmp_path / "plots")]) == 0
+    assert harness_main(["report", "--results", str(folder), "--out", str(tmp_path / "B.md"),
+                         "--plots-dir", str(tmp_path / "plots")]) == 0
     text = (tmp_path / "B.md").read_text()
     assert "| 8192 | 4 | 1 | 2 | 1300 | 20 | 40 | 100 | 13 | 0.05 |" in text
     assert "throughput x13, TTFT p50 x0.05 of transformers" in text and "L=16384 skipped: out of memory" in text
@@ -221,11 +225,11 @@ def check_long_result(result: dict) -> None:
 @pytest.mark.slow
 def test_bench_serve_long_end_to_end_on_the_default_model(tmp_path):
     plot_path = tmp_path / "long.png"
-    command = [sys.executable, "-m", "cluster.cli", "bench", "serve", "--workload", "long", "--long-prompt-lens",
+    command = [sys.executable, "-m", "benchmarks", "serve", "--workload", "long", "--long-prompt-lens",
                "128,256", "--concurrency", "1,2", "--max-tokens", "4", "--warmup", "1", "--efficiency-prefill-len",
                "256", "--json", "--plot", str(plot_path)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout)  # the result alone on stdout
     check_long_result(result)
@@ -233,8 +237,8 @@ def test_bench_serve_long_end_to_end_on_the_default_model(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     (results / "serve_long.json").write_text(json.dumps(result))
-    assert cli_main(["bench", "report", "--results", str(results), "--out", str(tmp_path / "B.md"),
-                     "--plots-dir", str(tmp_path / "plots")]) == 0
+    assert harness_main(["report", "--results", str(results), "--out", str(tmp_path / "B.md"),
+                         "--plots-dir", str(tmp_path / "plots")]) == 0
     text = (tmp_path / "B.md").read_text()
     assert "| L | C | TTFT p50 s | TTFT p90 s | tokens/s | transformers TTFT p50 s |" in text
     assert "| 256 | 2 |" in text and (tmp_path / "plots" / "serve_long.png").is_file()

@@ -1,22 +1,18 @@
-"""`dsa-serve bench soak`: the verdict's checks on made-up snapshots, the probes' parsing, flag errors, and one
-short soak (about 40 s of load) against a real `dsa-serve serve` on the default model."""
+"""`python -m benchmarks soak` (benchmarks/soak*.py): the verdict's checks on made-up snapshots, the probes'
+parsing and flag errors. The soaks against a real `dsa-serve serve` are tests/soak/test_soak.py."""
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from collections import deque
 
 import pytest
 
-from cluster.bench.soak import RssSampler
-from cluster.bench.soak_load import FAILURES, KINDS, tally
-from cluster.bench.soak_probe import container_sizes, engine_gauges, short_actor_name
-from cluster.bench.soak_verdict import Limits, verdict
-from cluster.cli import main as cli_main
+from benchmarks.cli import main as harness_main
+from benchmarks.soak import RssSampler
+from benchmarks.soak_load import tally
+from benchmarks.soak_probe import container_sizes, engine_gauges, short_actor_name
+from benchmarks.soak_verdict import Limits, verdict
 
 LEAK_CHECKS = ("processes", "rss", "kv_pages", "engine_state", "rank_state", "tasks", "threads", "objects")
 
@@ -136,34 +132,5 @@ def test_rss_series_labels_processes_and_summarizes_each():
     (["--serve-args", "'unclosed"], "--serve-args"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(argv, named, capsys):
-    assert cli_main(["bench", "soak", *argv]) == 2
+    assert harness_main(["soak", *argv]) == 2
     assert named in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_short_soak_against_a_real_server(tmp_path):
-    command = [sys.executable, "-m", "cluster.cli", "bench", "soak", "--duration-s", "40", "--warmup-s", "15",
-               "--idle-s", "5", "--sample-s", "5", "--concurrency", "8", "--json",
-               "--server-log", str(tmp_path / "server.log")]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    assert done.stdout.strip(), done.stderr[-4000:]
-    result = json.loads(done.stdout)  # the result alone on stdout
-    outcome, requests = result["verdict"], result["requests"]
-    assert done.returncode == (0 if outcome["pass"] else 1)
-    for name in LEAK_CHECKS:
-        check = outcome["checks"][name]
-        failed = {k: v for k, v in check.get("per_process", {}).items() if not v["pass"]}  # rss: only who grew
-        assert check["pass"], (name, failed or check, requests["failure_notes"], result.get("rss_series", {}).get(
-            "summary_mib"))
-    assert [p["name"] for p in result["phases"]] == ["warmup", "steady", "idle"]
-    assert requests["total"] == sum(requests["by_outcome"].values()) == sum(requests["per_phase"].values()) > 0
-    assert set(requests["by_kind"]) <= set(KINDS) and requests["by_outcome"].get("ok", 0) > 0
-    assert requests["failures"] == sum(requests["by_outcome"].get(name, 0) for name in FAILURES)
-    assert outcome["checks"]["requests"]["http_5xx"] == requests["http_5xx"]
-    pages = outcome["checks"]["kv_pages"]
-    assert pages["kv_pages_used"] == {"0": 0.0, "1": 0.0} and pages["running"] == pages["waiting"] == 0
-    rss = outcome["checks"]["rss"]["per_process"]
-    assert any("cp_rank=0" in name for name in rss) and any("DSAIngress" in name for name in rss)
-    assert all(p["baseline_mib"] > 0 and p["final_mib"] > 0 for p in rss.values())
-    assert len(result["rss_series"]["t_s"]) >= 3 and result["server"]["returncode"] == 0

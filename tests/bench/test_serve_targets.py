@@ -1,6 +1,6 @@
 """The issue #19 serving targets read the short workload's 1- and 32-stream runs, HTTP against in-process."""
 
-from cluster.bench.targets import TARGETS, evaluate
+from benchmarks.targets import TARGETS, evaluate
 
 
 def serve_result(ttft_ratio_1: float, http_32: float, local_32: float, transformers_32: float) -> dict:

@@ -1,6 +1,6 @@
-"""The verdict of `dsa-serve bench soak`: two idle snapshots (after warm-up, at the end) compared check by check.
+"""The verdict of `python -m benchmarks soak`: two idle snapshots (after warm-up, at the end) compared check by check.
 
-A snapshot is what cluster/bench/soak_probe.py read with the server idle: `rss` {pid: {name, mib}}, `actors`
+A snapshot is what benchmarks/soak_probe.py read with the server idle: `rss` {pid: {name, mib}}, `actors`
 {name: {pid, tasks, threads}}, `engines` {name: {sizes, free_pages, num_pages}}, `ranks` {label: {pid, sizes}},
 `objects` {owned, in_scope, in_plasma, in_object_store}, `gauges` (/metrics). Checks, each {"pass", ...}:
 

@@ -1,5 +1,8 @@
 """The result of `dsa-serve bench serve`: one entry per concurrency level, its summary lines, `plot(result, path)`.
 
+Both workloads build their result here (the short one in cluster/bench/serve.py, the harness's long one in
+benchmarks/serve_long.py): the timing definitions, one run's HTTP / in-process / `transformers` ratios, the machine.
+
 `plot` draws three panels: TTFT and inter-token latency (p50, p99) against concurrency for HTTP and the
 in-process engine, and output tokens/s per concurrency for HTTP, in-process and `transformers` generate.
 """

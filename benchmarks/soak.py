@@ -1,14 +1,15 @@
-"""`dsa-serve bench soak`: a real `dsa-serve serve` under mixed load with disconnects, checked for leaks.
+"""`python -m benchmarks soak`: a real `dsa-serve serve` under mixed load with disconnects, checked for leaks.
 
 Starts `dsa-serve serve` (the default model unless --serve-args names another) on a free loopback port
-(cluster/bench/soak_server.py), then runs three phases of cluster/bench/soak_load.py's mixed load:
+(benchmarks/soak_server.py), then runs three phases of benchmarks/soak_load.py's mixed load:
 warm-up (--warmup-s of load), steady (the rest of --duration-s), idle (--idle-s without requests). After
 warm-up and at the end, with nothing in flight and the engine idle, it takes a snapshot
-(cluster/bench/soak_probe.py): RSS of every process of the server's tree, live asyncio tasks and threads of every
+(benchmarks/soak_probe.py): RSS of every process of the server's tree, live asyncio tasks and threads of every
 Serve actor, the engine's and each rank's per-request containers, KV pages, Ray objects. RSS is also sampled every
---sample-s. The verdict (cluster/bench/soak_verdict.py) compares the two snapshots; the JSON object (last line of
+--sample-s. The verdict (benchmarks/soak_verdict.py) compares the two snapshots; the JSON object (last line of
 stdout) holds phases, requests by kind and outcome, the RSS series, both snapshots and the checks. Exit status 1
-when a check fails. `make soak` runs it for 10 minutes.
+when a check fails. `make soak` runs it for 10 minutes through tests/soak/test_soak.py, which asserts the verdict.
+The probes run inside the server's actors; their module is sent there by value (this harness is not installed).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.soak_load import LONG_TOKENS, LoadContext, bad_bodies, run_clients, tally
+from benchmarks.soak_verdict import Limits, verdict
 from cluster.bench.common import spelled_command
-from cluster.bench.soak_load import LONG_TOKENS, LoadContext, bad_bodies, run_clients, tally
-from cluster.bench.soak_verdict import Limits, verdict
 from cluster.commands.result_output import print_result
 
 SOAK_FLAGS = ("duration_s", "warmup_s", "idle_s", "concurrency", "sample_s", "seed", "serve_args", "rss_limit_mib",
@@ -71,8 +72,8 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--duration-s ({args.duration_s:g}) must exceed --warmup-s ({args.warmup_s:g}): "
                          "the steady phase is the difference")
     if not Path("/proc/self/status").exists():
-        raise ValueError("bench soak reads process memory from /proc: run it on Linux")
-    from cluster.bench.soak_server import check_serve_args
+        raise ValueError("the soak reads process memory from /proc: run it on Linux")
+    from benchmarks.soak_server import check_serve_args
 
     try:
         words = shlex.split(args.serve_args)
@@ -90,7 +91,7 @@ class RssSampler:
         self.samples: list[tuple[float, str, dict[int, tuple[str, float]]]] = []
 
     def sample(self) -> None:
-        from cluster.bench.soak_probe import process_rss
+        from benchmarks.soak_probe import process_rss
 
         self.samples.append((time.monotonic() - self.start, self.phase, process_rss(self.root_pid)))
 
@@ -114,8 +115,11 @@ class RssSampler:
 def snapshot(root_pid: int) -> dict:
     """The idle state of the server (blocking Ray calls: run it in a thread). See soak_verdict's docstring."""
     import ray
+    from ray import cloudpickle
 
-    from cluster.bench import soak_probe as probe
+    from benchmarks import soak_probe as probe
+
+    cloudpickle.register_pickle_by_value(probe)  # the actors' Python has the package, not this harness
 
     def each(handles, fn) -> list:
         return ray.get([handle.__ray_call__.remote(fn) for handle in handles], timeout=PROBE_TIMEOUT_S)
@@ -137,7 +141,7 @@ def snapshot(root_pid: int) -> dict:
 
 async def wait_idle(client, url: str) -> tuple[dict, float]:
     """/metrics gauges once nothing runs or waits and every page is free (or IDLE_TIMEOUT_S passed); seconds."""
-    from cluster.bench.soak_probe import engine_gauges
+    from benchmarks.soak_probe import engine_gauges
 
     start = time.monotonic()
     while True:
@@ -219,7 +223,7 @@ def summary_text(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.bench import soak_server
+    from benchmarks import soak_server
 
     serve_words = check_arguments(args)
     log_path = Path(args.server_log or tempfile.mkstemp(prefix="dsa-soak-", suffix=".log")[1])

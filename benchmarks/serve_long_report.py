@@ -1,5 +1,5 @@
-"""The long workload's rendering: its table for `bench report`, its text summary, its plot; and the
-`prefill_flop_efficiency` table that `bench report` also shows for `bench prefill` results.
+"""The long workload's rendering: its table for the report, its text summary, its plot; and the
+`prefill_flop_efficiency` table that the report (report.py) also shows for `bench prefill` results.
 
 The plot has two panels against prompt length: TTFT p50 and output tokens/s, ours (solid) and `transformers`
 (dashed), one line per concurrency.
@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from benchmarks.markdown import markdown_table
 from cluster.bench.flops import PHASES
-from cluster.bench.render import markdown_table, require_matplotlib
+from cluster.bench.render import require_matplotlib
 
 LONG_HEADERS = ["L", "C", "TTFT p50 s", "TTFT p90 s", "tokens/s", "transformers TTFT p50 s", "transformers TTFT p90 s",
                 "transformers tokens/s", "x tokens/s", "TTFT / transformers"]
@@ -48,7 +49,7 @@ def skipped_notes(result: dict) -> list[str]:
 
 
 def long_table(result: dict) -> list[str]:
-    """`bench report`'s section body for a `bench serve --workload long` result."""
+    """The report's section body for a `serve --workload long` result."""
 
     lines = markdown_table(LONG_HEADERS, long_rows(result)) + [""]
     headline = result.get("headline") or {}

@@ -1,4 +1,4 @@
-"""What `dsa-serve bench soak` reads of a running server: process RSS, asyncio tasks, Ray objects, engine state.
+"""What `python -m benchmarks soak` reads of a running server: process RSS, asyncio tasks, Ray objects, engine state.
 
 Nothing here changes the server. Processes: the server's process tree from /proc (the `dsa-serve serve` driver,
 gcs_server, raylet, Ray's agents, and every Ray worker: Serve controller, proxy, ingress and engine replicas,

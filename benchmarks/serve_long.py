@@ -1,14 +1,14 @@
-"""`dsa-serve bench serve --workload long`: long held-out prompts over HTTP, `transformers` one at a time, and the
-FLOP efficiency of one CP prefill.
+"""`python -m benchmarks serve --workload long`: long held-out prompts over HTTP, `transformers` one at a time, and
+the FLOP efficiency of one CP prefill.
 
 Per --long-prompt-lens length L, --num-prompts distinct prompts of L tokens are cut from the held-out standard
 library sources (common.py `held_out_stream`: distinct, non-overlapping, deterministic). For each length and
 each --concurrency level, the server this command starts (`serve`'s app and settings; its KV cache sized for
 the largest concurrency at the longest length unless --num-kv-pages / --kv-cache-memory-gib say otherwise)
-runs the closed loop of load.py. The in-process engine is skipped by default (--no-skip-in-process runs it).
+runs the closed loop of cluster/bench/load.py. The in-process engine is skipped by default (--no-skip-in-process runs it).
 Then, once the server is stopped (a --url server stays up), one --efficiency-prefill-len prefill runs on C ranks
-of one thread through `bench prefill`'s machinery (prefill_runs.py) and is set against the fp32 GEMM rate
-(flops.py). Last comes the `transformers` side (transformers_long.py).
+of one thread through `bench prefill`'s machinery (cluster/bench/prefill_runs.py) and is set against the fp32
+GEMM rate (cluster/bench/flops.py). Last comes the `transformers` side (transformers_long.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import json
 from pathlib import Path
 
 from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command, window_offsets
-from cluster.bench.serve_report import DEFINITIONS, assemble_run, machine, ratio
+from cluster.bench.serve import DEFAULT_SHORT_CONCURRENCY
+from cluster.bench.serve_result import DEFINITIONS, assemble_run, machine, ratio
 from cluster.commands.args import int_list
 from cluster.commands.result_output import print_result
 
-WORKLOADS = ("short", "long")
-DEFAULT_LONG_LENS, DEFAULT_LONG_CONCURRENCY, DEFAULT_SHORT_CONCURRENCY = "4096,8192,16384", "1,4", "1,8,32,64"
+DEFAULT_LONG_LENS, DEFAULT_LONG_CONCURRENCY = "4096,8192,16384", "1,4"
 DEFAULT_EFFICIENCY_LEN = 8192
 HEADLINE = {"prompt_len": 8192, "concurrency": 4}  # the run the top-level ratios come from
 LONG_FLAGS = ("workload", "long_prompt_lens", "efficiency_prefill_len", "no_skip_in_process")
@@ -42,9 +42,7 @@ LONG_DEFINITIONS = {
 
 
 def add_long_arguments(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--workload", choices=WORKLOADS, default="short",
-                       help="short: short code prompts (or --prompt-len random ones); long: held-out prompts of "
-                            "--long-prompt-lens tokens, transformers run one at a time, prefill FLOP efficiency")
+    """The long workload's own flags (--workload is `dsa-serve bench serve`'s)."""
     bench.add_argument("--long-prompt-lens", default=None,
                        help=f"--workload long: comma list of prompt lengths (default {DEFAULT_LONG_LENS})")
     bench.add_argument("--efficiency-prefill-len", type=int, default=None,
@@ -53,7 +51,8 @@ def add_long_arguments(bench: argparse.ArgumentParser) -> None:
 
 
 def resolve_workload(args: argparse.Namespace) -> None:
-    """Fills the per-workload defaults into `args`; ValueError naming the flag that does not fit the workload."""
+    """Fills the per-workload defaults into `args` (cluster/bench/serve.py `check_arguments` calls it); ValueError
+    naming the flag that does not fit the workload."""
     long = args.workload == "long"
     if not long:
         for flag, value in (("--long-prompt-lens", args.long_prompt_lens),
@@ -126,7 +125,7 @@ def long_prompts(model_dir: Path, lengths: list[int], num_prompts: int, efficien
 def efficiency_prefill(model_dir: Path, cp, args: argparse.Namespace, prompt: list[int]) -> dict:
     """One served-path prefill of `prompt` on cp_size ranks of one thread (`bench prefill`'s run_configs); a
     failure is returned as {"failed": ...} (the serving results measured before it are kept)."""
-    from cluster.bench.prefill import run_configs
+    from cluster.bench.prefill_runs import run_configs
     from model_workers.precision import resolve_dtype_name
 
     settings = argparse.Namespace(**{**vars(args), "dtype": resolve_dtype_name(args.dtype, model_dir, args.device)})
@@ -174,9 +173,9 @@ def transformers_block(baseline: dict) -> dict:
 
 def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels: list[int], runs: list[dict],
                       baseline: dict, efficiency: dict) -> dict:
+    from benchmarks.transformers_long import QUEUE_DEFINITION
     from cluster.bench.flops import DEFINITIONS as FLOP_DEFINITIONS
     from cluster.bench.serve_server import NEGATABLE_FLAGS, SERVE_FLAGS
-    from cluster.bench.transformers_long import QUEUE_DEFINITION
 
     headline = next((r for r in runs if all(r[k] == v for k, v in HEADLINE.items())), None)
     definitions = {k: v for k, v in DEFINITIONS.items() if k != "throughput_vs_transformers"}
@@ -202,22 +201,21 @@ def build_long_result(args, model_dir: Path, server: dict, prompts: dict, levels
 
 def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     """The long workload, start to end (after `check_arguments`); prints the result."""
-    from cluster.bench.serve_long_report import plot_long, summary_text_long
+    from benchmarks.serve_long_report import plot_long, summary_text_long
+    from benchmarks.transformers_long import run_long_baseline
     from cluster.bench.serve_server import measure_served, server_info
-    from cluster.bench.transformers_long import run_long_baseline
     from cluster.commands.serve import app_args
     from cluster.config import resolve_cp_settings
-    from model_workers.checkpoint.model_dir import resolve_model_dir
-    from model_workers.model.config import load_model_config
+    from model_workers.checkpoint.model_dir import read_model_spec
     from model_workers.precision import resolve_dtype_name
 
     lengths, num_prompts = long_plan(args, levels)
-    model_dir = resolve_model_dir(args.model)
-    config = load_model_config(model_dir)
+    model = read_model_spec(args.model)  # config.json read once
+    model_dir, config = model.path, model.config
     check_long_fit(config.max_position_embeddings, lengths, args)
     size_kv_cache(args, max(lengths), max(levels))
     settings = app_args(args)
-    cp = resolve_cp_settings(settings, model_dir)
+    cp = resolve_cp_settings(settings, model)
     prompts = long_prompts(model_dir, lengths, num_prompts, args.efficiency_prefill_len)
     plan = {c: num_prompts for c in levels}
     groups = {n: ([(ids, ids) for ids in prompts["by_length"][n]], plan) for n in lengths}
@@ -227,7 +225,7 @@ def run_long(args: argparse.Namespace, levels: list[int]) -> int:
     efficiency = efficiency_block(model_dir, cp, args.efficiency_prefill_len, prefill)
     baseline = {"skipped": True, "reason": "--skip-transformers"}
     if not args.skip_transformers:
-        dtype = resolve_dtype_name(args.dtype, model_dir, args.device)
+        dtype = resolve_dtype_name(args.dtype, model, args.device)
         baseline = run_long_baseline(model_dir, prompts["by_length"], plan, args.max_tokens, dtype, args.device)
     result = build_long_result(args, model_dir, {**server_info(args, cp), "num_kv_pages": args.num_kv_pages},
                                prompts, levels, long_runs(lengths, levels, http, in_process, baseline), baseline,

@@ -1,4 +1,4 @@
-"""The server `dsa-serve bench soak` runs against: a real `dsa-serve serve` child process on a free loopback port.
+"""The server `python -m benchmarks soak` runs against: a real `dsa-serve serve` child process on a free loopback port.
 
 The child starts its own local Ray (RAY_ADDRESS is dropped from its environment); the soak then joins that Ray
 as a driver (its GCS address read from the child's raylet) to reach the Serve actors. Ray enables token
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from cluster.bench.soak_probe import children_of, gcs_address, start_time
+from benchmarks.soak_probe import children_of, gcs_address, start_time
 from model_workers.comm import free_port
 
 READY_TIMEOUT_S = 300

@@ -1,66 +1,14 @@
-"""`dsa-serve bench report`: BENCHMARKS.md from a folder of bench JSON results.
+"""The tables of BENCHMARKS.md: one function per bench kind turns a result into markdown lines (`TABLES`).
 
-Every `*.json` in --results is the one JSON object a `dsa-serve bench ... --json` command printed. The
-report gives the machine, one section per result (its command, a table of its key numbers, its plot,
-drawn into --plots-dir and linked relative to the report), and the targets with PASS / MISS / not
-measured (`bench_targets.py`).
+A result of a kind without its own table gets `generic_table` (its scalars, then its runs); the long workload's
+table is serve_long_report.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
-from importlib import metadata
-from pathlib import Path
-
-from cluster.bench.plot import PLOTTERS, decode_series, prefill_points, save_plot
-from cluster.bench.render import markdown_table
-from cluster.bench.serve_long_report import efficiency_table, long_table
-from cluster.bench.targets import evaluate
-
-NO_COMMAND = "(the JSON records no command; re-run the bench with --json and a version that records it)"
-BENCH_ORDER = ("prefill", "attention", "decode", "serve")
-
-
-def add_parser(kinds) -> None:
-    report = kinds.add_parser("report", help="write BENCHMARKS.md from a folder of bench JSON results")
-    report.add_argument("--results", required=True, help="folder of *.json results (one bench command each)")
-    report.add_argument("--out", default="BENCHMARKS.md", help="markdown file to write")
-    report.add_argument("--plots-dir", default="docs", help="folder for the PNG plots (linked relatively)")
-    report.add_argument("--notes", default=None, help="markdown inserted after the targets (analysis of the results)")
-    report.set_defaults(run=run_report)
-
-
-def read_result(path: Path):
-    """A bench's `--json` stdout: the whole file, or (Ray may print lines of its own first) its last line."""
-    text = path.read_text()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        lines = text.strip().splitlines()
-        if len(lines) < 2:
-            raise
-        return json.loads(lines[-1])
-
-
-def load_results(folder: Path) -> tuple[list[tuple[str, dict]], list[str]]:
-    """(name, result) per readable bench JSON, sorted by bench then file name; and notes on skipped files."""
-    results, skipped = [], []
-    for path in sorted(folder.glob("*.json")):
-        try:
-            result = read_result(path)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            skipped.append(f"{path.name}: not JSON ({exc})")
-            continue
-        if not isinstance(result, dict) or "bench" not in result:
-            skipped.append(f"{path.name}: no \"bench\" key")
-            continue
-        results.append((path.stem, result))
-    rank = {kind: i for i, kind in enumerate(BENCH_ORDER)}
-    return sorted(results, key=lambda item: (rank.get(item[1]["bench"], len(rank)), item[0])), skipped
+from benchmarks.markdown import markdown_table
+from benchmarks.serve_long_report import efficiency_table, long_table
+from cluster.bench.plot import decode_series, prefill_points
 
 
 def attention_table(result: dict) -> list[str]:
@@ -184,110 +132,3 @@ def kv_cache_table(result: dict) -> list[str]:
 
 TABLES = {"attention": attention_table, "prefill": prefill_table, "decode": decode_table, "serve": serve_table,
           "kv-cache": kv_cache_table}
-
-
-def machine_lines() -> list[str]:
-    def version(package: str) -> str:
-        try:
-            return metadata.version(package)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    memory = meminfo_gib()
-    return [
-        f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores",
-        f"- memory: {memory:.1f} GiB" if memory else "- memory: unknown",
-        f"- OS: {platform.platform()}; Python {platform.python_version()}",
-        f"- torch {version('torch')}, ray {version('ray')}",
-        f"- report written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (the machine the "
-        "report ran on; run the benches on the same machine)",
-    ]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def meminfo_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / (1 << 20)  # kB -> GiB
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def model_line(result: dict) -> str:
-    """Which model the result ran on, from its `model_fingerprint` (results from before it say so)."""
-    fingerprint = result.get("model_fingerprint")
-    if not fingerprint:
-        return "Model: not recorded in this result."
-    sha = fingerprint.get("weights_sha256")
-    return (f"Model: {fingerprint.get('num_hidden_layers')} decoder layers, weights sha256 "
-            f"{f'`{sha}`' if sha else 'not in a model card'}.")
-
-
-def result_section(name: str, result: dict, plots_dir: Path, out_dir: Path) -> list[str]:
-    lines = [f"### {result['bench']}: `{name}.json`", "", "```", result.get("command") or NO_COMMAND, "```", "",
-             model_line(result), ""]
-    try:
-        lines += TABLES.get(result["bench"], generic_table)(result) + [""]
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a layout this report does not know
-        lines += [f"(expected key missing: {exc!r}; all numbers:)", ""] + generic_table(result) + [""]
-    if result["bench"] not in PLOTTERS:
-        return lines
-    plot = plots_dir / f"{name}.png"
-    try:
-        save_plot(result, str(plot))
-        lines.append(f"![{result['bench']} {name}]({Path(os.path.relpath(plot, out_dir)).as_posix()})")
-    except Exception as exc:  # noqa: BLE001 - a plot that cannot be drawn must not lose the report
-        lines.append(f"(plot not drawn: {exc})")
-    return lines + [""]
-
-
-def targets_lines(results: list[tuple[str, dict]]) -> list[str]:
-    by_kind: dict[str, list[dict]] = {}
-    for _, result in results:
-        by_kind.setdefault(result["bench"], []).append(result)
-    rows = [[target.name, f"`bench {target.bench}`", measured, verdict]
-            for target, measured, verdict in evaluate(by_kind)]
-    return markdown_table(["target", "from", "measured", "verdict"], rows)
-
-
-def build_report(results_dir: Path, out: Path, plots_dir: Path, notes: Path | None = None) -> str:
-    results, skipped = load_results(results_dir)
-    lines = ["# Benchmarks", "", f"Generated by `dsa-serve bench report --results {results_dir}` from "
-             f"{len(results)} result file(s); reproduce everything with `make bench`.", "", "## Machine", "",
-             *machine_lines(), "", "## Targets", ""]
-    lines += targets_lines(results) + [""]
-    if notes is not None:
-        lines += [notes.read_text().rstrip(), ""]
-    lines += ["## Results", ""]
-    if not results:
-        lines += ["No bench results found: every bench is not measured.", ""]
-    for name, result in results:
-        lines += result_section(name, result, plots_dir, out.parent)
-    if skipped:
-        lines += ["## Skipped files", "", *[f"- {note}" for note in skipped], ""]
-    return "\n".join(lines)
-
-
-def run_report(args: argparse.Namespace) -> int:
-    results_dir = Path(args.results)
-    if not results_dir.is_dir():
-        raise ValueError(f"--results must be a folder of bench JSON files, got {args.results!r}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    notes = Path(args.notes) if args.notes else None
-    if notes is not None and not notes.is_file():
-        raise ValueError(f"--notes must be a markdown file, got {args.notes!r}")
-    out.write_text(build_report(results_dir, out, Path(args.plots_dir), notes))
-    print(f"wrote {out}")
-    return 0

@@ -1,4 +1,4 @@
-"""The mixed load of `dsa-serve bench soak`: OpenAI-style requests of many kinds over loopback HTTP.
+"""The mixed load of `python -m benchmarks soak`: OpenAI-style requests of many kinds over loopback HTTP.
 
 `--concurrency` closed-loop clients share one httpx client; each picks a kind at random (seeded, weights in
 `KINDS`) and sends it, back to back, until the phase's deadline. Good requests vary everything a client may:

@@ -19,7 +19,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from cluster.bench.load import RequestTiming, summarize
-from cluster.bench.transformers_baseline import baseline_dtypes, load_model
+from benchmarks.transformers_baseline import baseline_dtypes, load_model
 
 QUEUE_DEFINITION = (
     "transformers runs each distinct prompt of a length once, one after another (a batch of 8k-token prompts does "

@@ -2,7 +2,9 @@
 
 A check takes {bench kind: [result, ...]} and returns (measured text, True / False), or None when no
 result measures it ("not measured"). Key names a bench may still rename are read through
-`bench_plot.first_key` / `prefill_points`, so a layout change is absorbed here in one place.
+cluster/bench/plot.py's `first_key` / `prefill_points`, so a layout change is absorbed here in one place.
+Each target names the command that makes the results it reads (`source`): an installed `dsa-serve bench KIND`, or
+this harness's `python -m benchmarks serve` where the target needs a `transformers` comparison.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from benchmarks import HARNESS_PROGRAM
 from cluster.bench.plot import decode_series, first_key, prefill_points
 
 GIB = 1 << 30
 Outcome = tuple[str, bool] | None
+HARNESS_SERVE = f"{HARNESS_PROGRAM} serve"
+LONG = f"{HARNESS_SERVE} --workload long"
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,11 @@ class Target:
     name: str
     bench: str  # which bench's results it reads
     check: Callable[[dict[str, list[dict]]], Outcome]
+    command: str | None = None  # the command that measures it, when not `dsa-serve bench {bench}`
+
+    @property
+    def source(self) -> str:
+        return self.command or f"dsa-serve bench {self.bench}"
 
 
 def cp_efficiency(results: dict[str, list[dict]]) -> Outcome:
@@ -201,17 +211,17 @@ TARGETS = (
            serve_ratio("itl_p50_ratio", 1.10)),
     Target("serving tokens/s HTTP / in-process >= 0.9 at 32 streams (direct ingress)", "serve", http_throughput),
     Target("short-prompt decode in process at 32 streams >= 1.0x batched transformers", "serve",
-           in_process_vs_transformers),
+           in_process_vs_transformers, HARNESS_SERVE),
     Target("per-step engine overhead <= 15% at batch 8", "decode", engine_overhead),
     Target("peak RSS per rank for a 32k prefill <= 4 GiB", "prefill", peak_rss),
     Target("KV bytes = formula (within 1%)", "prefill", kv_bytes),
     Target("long context: throughput at 8k, concurrency 4 >= 12x transformers", "serve",
-           long_ratio("throughput_ratio_vs_transformers", 8192, 4, lambda x: x >= 12)),
+           long_ratio("throughput_ratio_vs_transformers", 8192, 4, lambda x: x >= 12), LONG),
     Target("long context: TTFT p50 at 8k, concurrency 4 <= 0.06x transformers", "serve",
-           long_ratio("ttft_ratio_vs_transformers", 8192, 4, lambda x: x <= 0.06)),
+           long_ratio("ttft_ratio_vs_transformers", 8192, 4, lambda x: x <= 0.06), LONG),
     Target("long context: throughput at 16k, concurrency 4 >= 20x transformers", "serve",
-           long_ratio("throughput_ratio_vs_transformers", 16384, 4, lambda x: x >= 20)),
-    Target("prefill FLOP efficiency >= 0.5 (bench serve --workload long's prefill)", "serve", prefill_flop_efficiency),
+           long_ratio("throughput_ratio_vs_transformers", 16384, 4, lambda x: x >= 20), LONG),
+    Target("prefill FLOP efficiency >= 0.5 (the long workload's prefill)", "serve", prefill_flop_efficiency, LONG),
 )
 
 
