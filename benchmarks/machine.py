@@ -1,20 +1,43 @@
-"""The machine lines of BENCHMARKS.md: CPU, memory, OS, Python, torch and ray versions, when the report ran.
+"""The machine lines of BENCHMARKS.md: what each result recorded of the machine it ran on, and the machine that
+wrote the report (CPU, memory, OS, Python, torch and ray versions).
 
-They describe where the report was written; the benches must run on the same machine for them to apply.
+The first come from the JSON files alone, so the report of one folder of results reads the same wherever it is
+written; the last line says where it was written, which need not be where the benches ran.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import platform
 from importlib import metadata
 from pathlib import Path
 
 
-def machine_lines() -> list[str]:
-    """One markdown bullet per fact about this machine."""
+def recorded(result: dict) -> str:
+    """What one result says of its machine: a `machine` block (bench serve, ep), else a `cpu_count`."""
+    machine = result.get("machine") or {}
+    if "cpu_count" in machine:
+        cuda = machine.get("cuda")
+        return (f"{machine['cpu_count']} logical cores, {machine.get('platform')}, Python {machine.get('python')}, "
+                f"torch {machine.get('torch')}, {f'CUDA {cuda}' if cuda else 'no CUDA'}")
+    if machine:
+        return ", ".join(f"{k} {v}" for k, v in machine.items() if k != "note")
+    if result.get("cpu_count") is not None:
+        return f"{result['cpu_count']} logical cores"
+    return "not recorded"
 
+
+def machine_lines(results: list[tuple[str, dict]]) -> list[str]:
+    """The machines the results record, each with its files, then the machine writing the report."""
+    by_machine: dict[str, list[str]] = {}
+    for name, result in results:
+        by_machine.setdefault(recorded(result), []).append(f"`{name}.json`")
+    lines = ["What the results record of the machine they ran on:", ""]
+    lines += [f"- {machine}: {', '.join(names)}" for machine, names in by_machine.items()]
+    return lines + ["", f"This report was written on: {this_machine()}."]
+
+
+def this_machine() -> str:
     def version(package: str) -> str:
         try:
             return metadata.version(package)
@@ -22,14 +45,9 @@ def machine_lines() -> list[str]:
             return "not installed"
 
     memory = meminfo_gib()
-    return [
-        f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores",
-        f"- memory: {memory:.1f} GiB" if memory else "- memory: unknown",
-        f"- OS: {platform.platform()}; Python {platform.python_version()}",
-        f"- torch {version('torch')}, ray {version('ray')}",
-        f"- report written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (the machine the "
-        "report ran on; run the benches on the same machine)",
-    ]
+    return (f"{cpu_model()}, {os.cpu_count()} logical cores, {f'{memory:.1f} GiB' if memory else 'memory unknown'}, "
+            f"{platform.platform()}, Python {platform.python_version()}, torch {version('torch')}, "
+            f"ray {version('ray')}")
 
 
 def cpu_model() -> str:

@@ -92,13 +92,13 @@ def open_engines(model_dir, options: dict, use_ray: bool):
     """({k: engine}, close): C = 1 engines (one per entry of `options`) over in-process workers, or over one Ray
     worker actor each."""
     from cluster.engine_setup import LOCAL_CP, start_local_engine
-    from cluster.ray_engine import start_engine
 
     if not use_ray:  # no Ray imported: C = 1 runs where `import ray` fails
         return {k: start_local_engine(model_dir, o) for k, o in options.items()}, lambda: None
     import ray
 
     from cluster.launch import engine_cpus, start_ray
+    from cluster.ray_engine import start_engine
 
     started = start_ray(len(options) * engine_cpus(1), None)
     pairs = {k: start_engine(model_dir, LOCAL_CP, o) for k, o in options.items()}

@@ -9,7 +9,7 @@ after another, the C = 1 and the CP runs of one length were minutes apart). Repo
 T(C=1, 1 thread) / (C · T(C)), equal-cores ratio T(C=1, C threads) / T(C), per-rank compute and its imbalance
 (measured, and the causal-work model for zigzag / interleave / a contiguous split), the time split per phase,
 KV gather bytes next to the formula, peak RSS per rank and KV bytes per token. The groups are Ray actors; at C = 1
-(no --ray-address) there is one group, a worker in this process that is both runs, and Ray is not imported.
+(no --ray-address) there is one group, a worker in this process that is both runs, and the bench imports no Ray.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def run_prefill(args: argparse.Namespace) -> int:
 def time_configs(model_dir: Path, cp, with_equal: bool, prompts: dict[int, list[int]], args) -> list[dict]:
     """`run_configs` of C = 1 with 1 thread, C = 1 with C threads (`with_equal`) and the C ranks, all groups at once
     on a Ray this command starts or joins. At C = 1 without --ray-address the one C = 1 group is both runs, a worker
-    in this process, and Ray is not imported."""
+    in this process, and this module imports no Ray."""
     from cluster.bench.prefill_runs import run_configs
     from cluster.config import ResolvedCPConfig
 
