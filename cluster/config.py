@@ -1,24 +1,23 @@
 """CP configuration: the user's choice (validated pydantic model) and its start-up resolution.
 
-`resolve_cp_config` applies the rules of DESIGN.md section 5 ("Which
-implementation runs") once, against the model's Hugging Face config.json (`hf_config`)
-(as a dict), and returns a frozen `ResolvedCPConfig`. Every error is one
-line naming the offending field and its allowed values.
+`resolve_cp_config` applies the rules of docs/architecture.md, 'Which implementation runs', once, against the
+model's Hugging Face config.json (`hf_config`, as a dict), and returns a frozen `ResolvedCPConfig`. Every error is
+one line naming the offending field and its allowed values.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cp_router.cp.padding import CP_IMPLS
 from cp_router.cp.strategies import CP_STRATEGIES
+from model_workers.kernels.registry import ATTENTION_BACKENDS
 from model_workers.kv_format import KV_CACHE_DTYPES
 from model_workers.precision import AUTO_DTYPE, STORAGE_DTYPES
+from model_workers.spec import ModelSpec
 
 # The allowed values of every enumerated setting, derived from the table that owns them; CLI `choices=` and the
 # Serve YAML schema both come from these.
@@ -26,6 +25,7 @@ CPStrategyName = Literal[CP_STRATEGIES]
 CPImplName = Literal[("auto", *CP_IMPLS)]
 DTypeName = Literal[(AUTO_DTYPE, *STORAGE_DTYPES)]
 KVCacheDTypeName = Literal[KV_CACHE_DTYPES]
+AttentionBackendName = Literal[ATTENTION_BACKENDS]
 DeviceName = Literal["cpu", "cuda"]
 MAX_SPECULATIVE_STEPS = 4  # MTP draft tokens per decode step: 0 (plain decoding) .. 4
 
@@ -162,9 +162,9 @@ def _check_expert_split(ep_size: int, hf_config: Mapping[str, Any]) -> None:
                          f" ({num_experts} % {ep_size} = {num_experts % ep_size}); allowed values: 1 or a divisor")
 
 
-def resolve_cp_settings(settings: Any, model_dir: Path) -> ResolvedCPConfig:
-    """CP settings (CLI flags or ServeAppArgs: `cp_size`, `cp_strategy`, `cp_impl`, `ep_size`) resolved against the model's
-    config.json, with prefill CP on; one-line errors naming the field."""
+def resolve_cp_settings(settings: Any, model: ModelSpec) -> ResolvedCPConfig:
+    """CP settings (CLI flags or ServeAppArgs: `cp_size`, `cp_strategy`, `cp_impl`, `ep_size`) resolved against the
+    model's config.json as the edge read it, with prefill CP on; one-line errors naming the field."""
     fields = {"enable_prefill_cp": True, "cp_size": settings.cp_size, "cp_strategy": settings.cp_strategy,
               "cp_impl": settings.cp_impl, "ep_size": settings.ep_size}
-    return resolve_cp_config(parse_cp_config(fields), json.loads((model_dir / "config.json").read_text()))
+    return resolve_cp_config(parse_cp_config(fields), model.raw)

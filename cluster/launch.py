@@ -1,13 +1,13 @@
 """Ray placement and launch of one CP group: C CPWorker actors in a placement group, joined in a process group.
 
-One placement group per engine with C bundles (`{"GPU": 1}` each when CUDA is available, else
-`{"CPU": 1}`), one worker per bundle; cp_rank 0 picks the rendezvous address and a free port, which
-the launcher passes to every rank. A group that cannot be placed fails after a timeout with an error
-naming what it asked for; `CPGroup.shutdown` kills the actors and removes the placement group. The engine
-that drives a group runs where its caller is (this process, or a Serve replica): see cluster/engine_setup.py.
-`start_workers` alone puts the workers into bundles of a placement group the caller owns (a Serve replica's),
-as a `RankLaunch` describes; the engine's repair (cluster/rank_repair.py) starts a lost rank's replacement the same way.
-"""
+One placement group per engine with C bundles (`{"GPU": 1}` each when CUDA is available, else `{"CPU": 1}`), one
+worker (a CPWorker actor) per bundle, each loading the same `RankSpec`; a task in cp_rank 0's bundle picks the
+rendezvous address and a free port, which the launcher passes to every rank. A group that cannot be placed fails
+after a timeout with an error naming what it asked for; `CPGroup.shutdown` kills the actors and removes the
+placement group. The engine that drives a group runs where its caller is (this process, or a Serve replica): see
+cluster/ray_engine.py. `start_workers` alone puts the workers into bundles of a placement group the caller owns (a
+Serve replica's), as a `RankLaunch` describes; the engine's repair (cluster/rank_repair.py) starts a lost rank's
+replacement the same way."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ResolvedCPConfig
+from model_workers.checkpoint.model_dir import read_model_spec
+from model_workers.comm import free_port
 from model_workers.cp_worker import CPWorker
+from model_workers.kernels.registry import DEFAULT_ATTENTION_BACKEND
+from model_workers.spec import ModelSpec, RankSpec
 
 
 class PlacementTimeout(RuntimeError):
@@ -103,36 +107,40 @@ def _place(cp_size: int, use_gpu: bool, timeout_s: float, strategy: str = "PACK"
     return group
 
 
+@ray.remote(num_cpus=0)
+def node_rendezvous() -> tuple[str, int]:
+    """This node's address as Ray knows it, and a port free on it now: where a group's ranks meet."""
+    return ray.util.get_node_ip_address(), free_port()
+
+
 @dataclass(frozen=True)
 class RankLaunch:
-    """How the rank workers of one group start: bundles first_bundle.. of `group` (a placement group), the
-    checkpoint and cache each loads. Kept by the engine's repair (cluster/rank_repair.py) to replace a lost rank."""
+    """How the rank workers of one group start: bundles first_bundle.. of `group` (a placement group), each loading
+    `rank` (the spec resolved once at the edge). Kept by the engine's repair (cluster/rank_repair.py) to replace a
+    lost rank."""
 
-    model_dir: str
+    rank: RankSpec
     cp_size: int
     group: object  # the placement group
     first_bundle: int
-    dtype: str
-    num_pages: int
-    page_size: int
     threads_per_worker: int = 1
     use_gpu: bool = False
-    ep_size: int = 1
-    kv_cache_dtype: str = "auto"
-    deterministic: bool = False
-    speculative_token_map: str = "auto"  # the draft head's vocabulary (checkpoint/draft_vocab.py)
 
     def create(self, cp_rank: int):
         """A new (not yet joined, not loaded) worker actor for `cp_rank` in its bundle."""
         resources = {"num_gpus": 1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 1}
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.first_bundle + cp_rank)
         return ray.remote(CPWorker).options(**resources, scheduling_strategy=strategy).remote(
-            cp_rank, self.cp_size, self.threads_per_worker)
+            cp_rank, self.cp_size, self.threads_per_worker, True)  # its load progress reaches the server console
 
     def load(self, worker):
         """The ObjectRef of `worker` loading the checkpoint and a fresh cache."""
-        return worker.load.remote(self.model_dir, self.dtype, self.num_pages, self.page_size, self.ep_size,
-                                  self.kv_cache_dtype, self.deterministic, self.speculative_token_map)
+        return worker.load.remote(self.rank)
+
+    def rendezvous(self):
+        """The ObjectRef of (address, free port) on cp_rank 0's node, for the group's process-group rendezvous."""
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.first_bundle)
+        return node_rendezvous.options(scheduling_strategy=strategy).remote()
 
 
 def start_workers(launch: RankLaunch) -> list:
@@ -142,7 +150,7 @@ def start_workers(launch: RankLaunch) -> list:
     """
     workers = [launch.create(r) for r in range(launch.cp_size)]
     try:
-        master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
+        master_addr, master_port = ray.get(launch.rendezvous())
         ray.get([w.init_comm.remote(master_addr, master_port) for w in workers])
         ray.get([launch.load(w) for w in workers])
     except Exception:
@@ -151,8 +159,24 @@ def start_workers(launch: RankLaunch) -> list:
     return workers
 
 
+def launch_ranks(rank: RankSpec, cp: ResolvedCPConfig, placement_timeout_s: float = 60.0, threads_per_worker: int = 1,
+                 use_gpu: bool | None = None, placement_strategy: str = "PACK") -> CPGroup:
+    """Places a group and starts its workers (one per CP rank, each loading `rank`: see `start_workers`).
+    `placement_strategy`: Ray's (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD); SPREAD puts the ranks on different
+    nodes where it can."""
+    use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
+    group = _place(cp.cp_size, use_gpu, placement_timeout_s, placement_strategy)
+    launch = RankLaunch(rank, cp.cp_size, group, 0, threads_per_worker, use_gpu)
+    try:
+        workers = start_workers(launch)
+    except Exception:
+        remove_placement_group(group)
+        raise
+    return CPGroup(cp, workers, group, launch)
+
+
 def launch_group(
-    model_dir: str | Path,
+    model: ModelSpec | str | Path,
     cp: ResolvedCPConfig,
     dtype: str = "float32",
     num_pages: int = 256,
@@ -164,16 +188,11 @@ def launch_group(
     deterministic: bool = False,
     placement_strategy: str = "PACK",
     speculative_token_map: str = "auto",
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND,
 ) -> CPGroup:
-    """Places a group and starts its workers (one per CP rank, see `start_workers`). `placement_strategy`:
-    Ray's (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD); SPREAD puts the ranks on different nodes where it can."""
-    use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
-    group = _place(cp.cp_size, use_gpu, placement_timeout_s, placement_strategy)
-    launch = RankLaunch(str(model_dir), cp.cp_size, group, 0, dtype, num_pages, page_size, threads_per_worker,
-                        use_gpu, cp.ep_size, kv_cache_dtype, deterministic, speculative_token_map)
-    try:
-        workers = start_workers(launch)
-    except Exception:
-        remove_placement_group(group)
-        raise
-    return CPGroup(cp, workers, group, launch)
+    """`launch_ranks` of the rank spec these settings make (a folder is read here): tests and tools that launch a
+    group without an engine spec."""
+    model = model if isinstance(model, ModelSpec) else read_model_spec(model)
+    rank = RankSpec(model, dtype, num_pages, page_size, cp.ep_size, kv_cache_dtype, deterministic,
+                    speculative_token_map, attention_backend)
+    return launch_ranks(rank, cp, placement_timeout_s, threads_per_worker, use_gpu, placement_strategy)

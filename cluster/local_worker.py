@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from model_workers.cp_worker import CPWorker
+from model_workers.spec import RankSpec
 
 
 class _Method:
@@ -22,11 +22,9 @@ class _Method:
 class InProcessWorker:
     """`CPWorker(cp_rank=0, cp_size=1)` whose public methods are called as `.method.remote(...)` and awaited."""
 
-    def __init__(self, model_dir: str | Path, dtype: str, num_pages: int, page_size: int, kv_cache_dtype: str = "auto",
-                 deterministic: bool = False, speculative_token_map: str = "auto"):
+    def __init__(self, rank: RankSpec):
         self.worker = CPWorker(0, 1, num_threads=None)
-        self.worker.load(str(model_dir), dtype, num_pages, page_size, kv_cache_dtype=kv_cache_dtype,
-                         deterministic=deterministic, speculative_token_map=speculative_token_map)
+        self.worker.load(rank)
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("_") or not callable(getattr(CPWorker, name, None)):

@@ -46,7 +46,7 @@ class RayRankRepair:
             with contextlib.suppress(Exception):  # already dead: nothing to kill
                 ray.kill(workers[cp_rank], no_restart=True)
             workers[cp_rank] = self.launch.create(cp_rank)
-        master_addr, master_port = await workers[0].rendezvous_address.remote()
+        master_addr, master_port = await self.launch.rendezvous()
         joins = [(w.init_comm if r in lost else w.rejoin).remote(master_addr, master_port)
                  for r, w in enumerate(workers)]
         await asyncio.gather(*joins)

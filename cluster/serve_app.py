@@ -42,42 +42,19 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import resolve_cp_settings
 from cluster.direct_ingress import DirectIngressServer
 from cluster.engine_channel import ChannelHost, ChannelRouter
-from cluster.engine_limits import EngineLimits, limits_from
-from cluster.engine_setup import EngineOptions, check_options_for_model, engine_over_workers, limit_options
 from cluster.http_api.ingress import build_app
 from cluster.http_api.utility_routes import RequestIdMiddleware
-from cluster.launch import RankLaunch, start_workers
-from cluster.rank_repair import RayRankRepair
-from cluster.ray_metrics import replica_metrics
+from cluster.replica_engine import engine_bundles, replica_text, serve_engine_spec, start_replica_engine
 from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import IngressSettings, ServeAppArgs
 from cp_router.console_log import configure_console_logging
-from cp_router.engine import GenerationEngine
 from cp_router.protocol import EngineRequest, ModelInfo
 from model_workers.checkpoint.model_dir import resolve_model_dir
-from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 
 APP_NAME = "dsa-serve"
 ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT = "DSAEngine", "DSAIngress", "DSAServer"
-
-
-def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
-    """One bundle for the engine replica, then one per CP rank worker."""
-    rank = {"GPU": 1} if args.device == "cuda" else {"CPU": 1}
-    return [{"CPU": 1}] + [dict(rank) for _ in range(args.cp_size)]
-
-
-def engine_options(args: ServeAppArgs, model_dir) -> EngineOptions:
-    """The engine's options: the args' capacity fields resolved against the model (pages, window)."""
-    limits = limit_options(model_dir, EngineLimits(**limits_from(args)), args.dtype, args.kv_cache_dtype,
-                           args.speculative_num_steps)
-    return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                         num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda",
-                         deterministic=args.enable_deterministic_inference,
-                         speculative_token_map=args.speculative_token_map, **limits)
 
 
 # Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
@@ -90,24 +67,6 @@ HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_C
                                                              "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}}
 
 
-def start_replica_engine(args: ServeAppArgs, deployment: str, text: CheckpointText) -> GenerationEngine:
-    """The replica's CP group (rank actors in bundles 1..C of its placement group) and the engine over it."""
-    model_dir = resolve_model_dir(args.model)
-    cp, options = resolve_cp_settings(args, model_dir), engine_options(args, model_dir)
-    group = ray.util.get_current_placement_group()
-    if group is None:
-        raise RuntimeError(f"{deployment} must run in a placement group of 1 + cp_size bundles "
-                           "(placement_group_bundles); build the app with cluster.serve_app:app")
-    options = check_options_for_model(model_dir, cp, options)
-    launch = RankLaunch(str(model_dir), cp.cp_size, group, 1, options.dtype, options.num_pages, options.page_size,
-                        options.threads_per_worker, bool(options.use_gpu), cp.ep_size, options.kv_cache_dtype,
-                        options.deterministic, options.speculative_token_map)
-    workers = start_workers(launch)
-    metrics = replica_metrics("engine", (args.served_model_name or [model_dir.name])[0], None,
-                              args.ingress.ray_metrics_export)  # also on Ray's export unless turned off
-    return engine_over_workers(model_dir, cp, options, workers, metrics, text, repair=RayRankRepair(launch))
-
-
 ENGINE_MAX_ONGOING = 4096  # engine streams in flight per replica: each HTTP request holds one per choice
 
 
@@ -117,8 +76,8 @@ class DSAEngine:
 
     def __init__(self, args: ServeAppArgs):
         configure_console_logging()  # the engine's lines (recoveries, progress) reach the server's output
-        text = load_checkpoint_text(resolve_model_dir(args.model), args.chat_template)
-        self.engine = start_replica_engine(args, ENGINE_DEPLOYMENT, text)
+        spec = serve_engine_spec(args)  # config.json read once in this process
+        self.engine = start_replica_engine(spec, ENGINE_DEPLOYMENT, args, replica_text(spec, args))
         self.channels = ChannelHost(serve.get_replica_context().replica_id.unique_id)
         logging.getLogger("dsa_serve.engine").info("engine replica %s ready (pid %d)", self.channels.replica_id,
                                                    os.getpid())
@@ -215,7 +174,7 @@ class DrainableHTTP:
 @serve.deployment(name=INGRESS_DEPLOYMENT, logging_config=QUIET)
 @serve.ingress()
 class DSAIngress(DrainableHTTP):
-    """The FastAPI app of cluster/ingress.py over a `ServeEngineClient`."""
+    """The FastAPI app of cluster/http_api/ingress.py over a `ServeEngineClient`."""
 
     def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
         self.engine, self.args = engine, args
@@ -235,9 +194,10 @@ class DSAServer(DrainableHTTP):
     """engine_placement="colocated": the HTTP app over an engine in the same process (no engine handle)."""
 
     def __init__(self, args: ServeAppArgs):
-        model_dir = resolve_model_dir(args.model)
-        text = load_checkpoint_text(model_dir, args.chat_template)  # read once for the engine and the HTTP app
-        self.engine = start_replica_engine(args, SERVER_DEPLOYMENT, text)
+        spec = serve_engine_spec(args)  # config.json read once in this process
+        model_dir = spec.model.path
+        text = replica_text(spec, args)  # read once for the engine and the HTTP app
+        self.engine = start_replica_engine(spec, SERVER_DEPLOYMENT, args, text)
         self.settings = ingress_settings(args, model_dir)
         same = Path(self.settings.model_dir).resolve() == model_dir.resolve()
         self.text = text if same and self.settings.chat_template == args.chat_template else None

@@ -11,11 +11,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
+from cluster.config import (
+    MAX_SPECULATIVE_STEPS,
+    AttentionBackendName,
+    CPImplName,
+    CPStrategyName,
+    DeviceName,
+    DTypeName,
+    KVCacheDTypeName,
+)
 from cluster.engine_limits import EngineLimits
 from cluster.http_api.reasoning import REASONING_PARSERS
 from cluster.http_api.tool_parsers import TOOL_CALL_PARSERS
 from model_workers.checkpoint.draft_vocab import check_token_map_setting
+from model_workers.kernels.registry import DEFAULT_ATTENTION_BACKEND
 
 API_KEY_ENV = "DSA_SERVE_API_KEY"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # as Kubernetes' default terminationGracePeriodSeconds
@@ -83,8 +92,9 @@ class ServeAppArgs(EngineLimits):
     # none: the full vocabulary; else a token map file (draft_vocab.json format, or SGLang's .pt of ids)
     speculative_token_map: str = "auto"
     dtype: DTypeName = "auto"  # the checkpoint's (bf16 on CUDA); float32 / bfloat16 force one
-    kv_cache_dtype: KVCacheDTypeName = "auto"  # auto: keys in `dtype`; fp8_e4m3: DESIGN.md §10's FP8 layout
+    kv_cache_dtype: KVCacheDTypeName = "auto"  # auto: keys in `dtype`; fp8_e4m3: docs/kv_cache.md, 'FP8 layout'
     enable_deterministic_inference: bool = False  # SGLang's name: batch-invariant ranks (bit-identical tokens)
+    attention_backend: AttentionBackendName = DEFAULT_ATTENTION_BACKEND  # the ranks' kernel set (SGLang's flag)
     device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token

@@ -1,5 +1,5 @@
-"""One rank's part of a CP prefill batch (DESIGN.md 6.2-6.4): target forward, gather, logits, prompt logprobs,
-MTP draft.
+"""One rank's part of a CP prefill batch (docs/architecture.md, 'Per-layer data flow under CP prefill'): target
+forward, gather, logits, prompt logprobs, MTP draft.
 
 Every rank runs the same sequence of collectives (one per layer, one per hidden-state gather, one gather of the
 next-token ids when a request of the batch asks for prompt logprobs), so the sizes match on all ranks by
@@ -15,15 +15,13 @@ import torch
 
 from cp_router.cp.metadata import RankMetadata
 from cp_router.plans import NEXT_ID_SAMPLED, PrefillShard, RequestOutput
-from model_workers.backends.cp_backend import CPBackend, cp_v4_batch, gather_rows_global
-from model_workers.backends.shared_topk import position_slots
-from model_workers.backends.torch_backend import ForwardBatch
 from model_workers.comm import LocalComm
-from model_workers.kv_cache import PageTable
+from model_workers.cp_rows import CPRows, gather_rows_global
 from model_workers.logits_processing import TokenHistory
-from model_workers.model.decoder import DSAForCausalLM
+from model_workers.models.common.topk_sharing import TopkMemo, position_slots
+from model_workers.models.family import ModelFamily
+from model_workers.page_table import PageTable
 from model_workers.sampler import sample, token_logprob, token_logprobs
-from model_workers.v4_cache import V4Cache
 
 PROMPT_LOGPROB_ROWS = 256  # prompt logprobs are scored this many rows at a time: logits [256, vocab] at most
 
@@ -32,8 +30,9 @@ PROMPT_LOGPROB_ROWS = 256  # prompt logprobs are scored this many rows at a time
 class PrefillContext:
     """What one rank's prefill needs besides the shard: its model, backend, group and request state."""
 
-    model: DSAForCausalLM
-    backend: CPBackend
+    model: torch.nn.Module  # any family's model
+    family: ModelFamily  # its record (models/family.py)
+    backend: object  # the family's backend, bound per forward with this rank's `CPRows`
     comm: LocalComm
     cp_rank: int  # the worker's rank: it reports the requests it owns
     tables: list[PageTable]  # per request of the batch, this rank's pages (prefix + extend), num_tokens = prefix
@@ -42,24 +41,6 @@ class PrefillContext:
     draft_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # owned: MTP output at the last row [D]
     draft_topk: dict[str, torch.Tensor] = field(default_factory=dict)  # owned, index sharing: its top-k slots [k']
     histories: dict[str, TokenHistory] = field(default_factory=dict)  # owned, with penalties: tokens so far
-
-
-def cp_forward_batch(tables: list[PageTable], meta: RankMetadata, page_size: int, device) -> ForwardBatch:
-    """Rows: this rank's logical rows. Keys: every request's positions 0..prefix+extend-1 in this rank's cache."""
-    request_index_local = meta.request_index_local[: meta.num_logical]  # [T_logical]
-    request_rows, key_slots, write_slots = [], [], []
-    for s, table in enumerate(tables):
-        prefix_len = meta.prefix_lens[s]
-        slots = table.slots(0, prefix_len + meta.extend_lens[s], page_size).to(device)  # [K_s]
-        key_slots.append(slots)
-        write_slots.append(slots[prefix_len:])  # [L_s] stream order of request s
-        request_rows.append(torch.nonzero(request_index_local == s).flatten().to(device))
-    return ForwardBatch(
-        positions=meta.positions_local[: meta.num_logical].to(device),  # [T_logical] global positions
-        request_rows=tuple(request_rows),
-        key_slots=tuple(key_slots),
-        write_slots=torch.cat(write_slots),  # [N] global stream order
-    )
 
 
 def last_rows_global(meta: RankMetadata) -> torch.Tensor:
@@ -72,9 +53,7 @@ def fill_sampled(next_ids_local: torch.Tensor, request_index_local: torch.Tensor
     return torch.where(next_ids_local == NEXT_ID_SAMPLED, sampled[request_index_local], next_ids_local)
 
 
-def topk_positions_global(
-    ctx: PrefillContext, batch: ForwardBatch, meta: RankMetadata, topk_slots: torch.Tensor
-) -> torch.Tensor:
+def topk_positions_global(ctx: PrefillContext, batch, meta: RankMetadata, topk_slots: torch.Tensor) -> torch.Tensor:
     """Top-k cache slots [T_logical, k] of this rank -> key positions [N, k] in global order (-1 padded).
 
     Positions, unlike slots, mean the same on every rank, so the owner can map them onto its own pages.
@@ -91,12 +70,10 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool,
     """Runs this rank's shard; returns the outputs of the requests this rank owns. `with_draft`: the MTP layer runs
     too (`drafts_needed`), filling each output's draft and the owner's draft state."""
     meta, model = shard.meta, ctx.model
-    if isinstance(ctx.backend.cache, V4Cache):
-        batch = cp_v4_batch(ctx.backend.cache, ctx.tables, meta, ctx.device)
-    else:
-        batch = cp_forward_batch(ctx.tables, meta, ctx.page_size, ctx.device)
+    batch = ctx.family.cp_batch(ctx.backend.cache, ctx.tables, meta, ctx.page_size, ctx.device)
+    rows = CPRows(ctx.comm, meta)
     ids_local = shard.token_ids_local.to(ctx.device)  # [T_logical]
-    hidden_local = model(ids_local, batch.positions, ctx.backend.bind_shard(batch, meta, ctx.comm))  # [T_logical, D]
+    hidden_local = model(ids_local, batch.positions, ctx.backend.bind(batch, rows))  # [T_logical, D]
     for s, table in enumerate(ctx.tables):
         table.num_tokens = meta.prefix_lens[s] + meta.extend_lens[s]
     hidden_global = gather_rows_global(ctx.comm, meta, hidden_local, "hidden")  # [N, D]
@@ -168,7 +145,7 @@ def score_prompt(ctx: PrefillContext, shard: PrefillShard, hidden_global: torch.
 def run_mtp_prefill(
     ctx: PrefillContext,
     shard: PrefillShard,
-    batch: ForwardBatch,
+    batch,
     hidden_local: torch.Tensor,
     sampled: torch.Tensor,
     outputs: dict[str, RequestOutput],
@@ -183,12 +160,12 @@ def run_mtp_prefill(
     request_index_local = meta.request_index_local[: meta.num_logical]  # [T_logical]
     next_ids = fill_sampled(shard.next_ids_local, request_index_local, sampled).to(ctx.device)  # [T_logical]
     mtp_layer_id = model.config.num_hidden_layers
-    share = frozenset({mtp_layer_id}) if model.config.index_share_for_mtp_iteration else frozenset()
-    backend = ctx.backend.bind_shard(batch, meta, ctx.comm, keep_topk_layers=share)
+    memo = TopkMemo(mtp_layer_id) if model.config.index_share_for_mtp_iteration else None
+    backend = ctx.backend.bind(batch, CPRows(ctx.comm, meta), memo)
     mtp_local = model.mtp_forward(next_ids, hidden_local, batch.positions, backend)  # [T_logical, D]
     mtp_global = gather_rows_global(ctx.comm, meta, mtp_local, "hidden")  # [N, D]
     draft_logits = model.draft_logits(mtp_global[last_rows_global(meta).to(ctx.device)])  # [R, vocab]
-    topk_global = topk_positions_global(ctx, batch, meta, backend.kept_topk[mtp_layer_id]) if share else None
+    topk_global = topk_positions_global(ctx, batch, meta, memo.kept) if memo is not None else None
     for s, req in enumerate(shard.requests):
         out = outputs.get(req.request_id)
         if out is None:

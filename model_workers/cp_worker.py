@@ -1,4 +1,5 @@
-"""The CP worker: the body of one Ray actor = one process = one CP rank.
+"""The CP worker: the body of one rank (a Ray actor = one process per CP rank: cluster/launch.py; or, at C = 1, an
+object in the engine's own process: cluster/local_worker.py). It imports no Ray.
 
 It loads the checkpoint (attention replicated on every rank; with expert parallelism only its own block of
 routed experts), holds a paged cache and the CP group, and runs one `StepPlan` per step: its shard of a prefill
@@ -18,27 +19,33 @@ from contextlib import nullcontext
 
 import torch
 
+from cp_router.console_log import configure_console_logging
 from cp_router.plans import PrefillShard, RequestOutput, StepPlan, StepResult
-from model_workers.backends.cp_backend import CPBackend
 from model_workers.checkpoint.draft_vocab import resolve_token_map
 from model_workers.checkpoint.loader import LoadReport, load_model_with_report
-from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm, free_port
+from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm
 from model_workers.cp_prefill import PrefillContext, drafts_needed, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
+from model_workers.kernels.registry import kernel_set
 from model_workers.host_memory import bound_onednn_caches, keep_large_allocations_on_heap, release_free_heap
-from model_workers.kv_cache import PageTable
+from model_workers.page_table import PageTable
 from model_workers.load_progress import LoadProgress
-from model_workers.model.batch_invariant import BatchInvariantMode
-from model_workers.model.cpu_prepack import prepack_linear_weights
-from model_workers.model.draft_dtype import draft_dtype
+from model_workers.kernels.torch.batch_invariant import BatchInvariantMode
+from model_workers.kernels.torch.cpu_prepack import prepack_linear_weights
+from model_workers.models.common.draft_dtype import draft_dtype
 from model_workers.phase_clock import PhaseClock
 from model_workers.precision import compute_dtype, set_draft_precision, storage_dtype
-from model_workers.runner import ModelRunner, make_backend
+from model_workers.runner import ModelRunner
+from model_workers.spec import RankSpec
 
 
 class CPWorker:
-    def __init__(self, cp_rank: int, cp_size: int, num_threads: int | None = 1):
+    def __init__(self, cp_rank: int, cp_size: int, num_threads: int | None = 1, console_logging: bool = False):
+        """`console_logging`: this process's dsa_serve lines (load progress) go to stderr, which a launcher such as
+        Ray forwards to the server's console (cluster/launch.py sets it for its rank actors)."""
+        if console_logging:
+            configure_console_logging()
         if num_threads is not None:  # None: keep the process's setting (an in-process worker)
             torch.set_num_threads(num_threads)
         bound_onednn_caches()  # before this process's first matmul (host_memory.py)
@@ -47,17 +54,10 @@ class CPWorker:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.comm: LocalComm = LocalComm()
         self.runner: ModelRunner | None = None
-        self.backend: CPBackend | None = None
         self.held: dict[str, HeldRequest] = {}
         self.prefilling: dict[str, tuple[int, ...]] = {}  # mid chunked prefill here: first page (V4 files state there)
         self.exchange: ExpertExchange | None = None
         self.load_report: LoadReport | None = None
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Called on cp_rank 0: this node's address and a free port for the group's rendezvous."""
-        import ray
-
-        return ray.util.get_node_ip_address(), free_port()
 
     def init_comm(self, master_addr: str, master_port: int) -> None:
         """Joins the CP group (blocks until every rank has joined)."""
@@ -75,36 +75,34 @@ class CPWorker:
         self.held, self.prefilling = {}, {}
         self.init_comm(master_addr, master_port)
 
-    def load(self, model_dir: str, dtype: str = "float32", num_pages: int = 256, page_size: int = 64,
-             ep_size: int = 1, kv_cache_dtype: str = "auto", deterministic: bool = False,
-             speculative_token_map: str = "auto") -> dict:
-        """(Re)loads a checkpoint and a fresh cache of `num_pages` pages; requests held so far are dropped.
-        ep_size = cp_size: this rank loads and runs only its block of every MoE layer's routed experts.
-        kv_cache_dtype: "auto" (keys in `dtype`), "bfloat16" or "fp8_e4m3" (kv_format.py).
-        deterministic: every step batch-invariant (batch_invariant.py), for --enable-deterministic-inference.
-        speculative_token_map: the draft head's vocabulary (checkpoint/draft_vocab.py): auto, none or a file."""
-        if ep_size not in (1, self.cp_size):
-            raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {ep_size}")
-        storage, progress = storage_dtype(dtype), LoadProgress(self.cp_rank, model_dir)  # lines on the console
+    def load(self, spec: RankSpec) -> dict:
+        """(Re)loads the checkpoint and a fresh cache as `spec` says (model_workers/spec.py: resolved once at the
+        edge, so nothing here reads config.json); requests held so far are dropped. With spec.ep_size = cp_size
+        this rank loads and runs only its block of every MoE layer's routed experts; spec.deterministic runs every
+        step batch-invariant (kernels/torch/batch_invariant.py); spec.attention_backend picks the kernel set."""
+        if spec.ep_size not in (1, self.cp_size):
+            raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {spec.ep_size}")
+        model_dir = str(spec.model.path)
+        storage, progress = storage_dtype(spec.dtype), LoadProgress(self.cp_rank, model_dir)  # lines on the console
+        kernels = kernel_set(spec.attention_backend)
         model, self.load_report = load_model_with_report(
-            model_dir, dtype=compute_dtype(storage, self.device), device=self.device, progress=False,
-            ep_rank=self.cp_rank if ep_size > 1 else 0, ep_size=ep_size, on_read=progress.read)
+            spec.model, dtype=compute_dtype(storage, self.device), device=self.device, progress=False,
+            ep_rank=self.cp_rank if spec.ep_size > 1 else 0, ep_size=spec.ep_size, on_read=progress.read)
         progress.done(self.load_report.total_bytes)
         if model.num_mtp_layers:
             set_draft_precision(model, self.device)  # on a CPU the draft computes in float32
-            model.set_draft_vocab(resolve_token_map(speculative_token_map, model_dir, model.config.vocab_size))
+            model.set_draft_vocab(resolve_token_map(spec.speculative_token_map, model_dir, model.config.vocab_size))
         prepacked = prepack_linear_weights(model)  # bf16 on a CPU with native bf16: oneDNN's layout, packed once
-        self.exchange = ExpertExchange(self.comm, deterministic) if ep_size > 1 else None
-        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, device=self.device,
-                                  kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=kv_cache_dtype,
-                                  deterministic=deterministic)
-        self.backend = make_backend(self.runner.cache, self.exchange, cp=True, deterministic=deterministic)
+        self.exchange = ExpertExchange(self.comm, kernels.experts, spec.deterministic) if spec.ep_size > 1 else None
+        self.runner = ModelRunner(model, num_pages=spec.num_pages, page_size=spec.page_size, device=self.device,
+                                  kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=spec.kv_cache_dtype,
+                                  deterministic=spec.deterministic, kernels=kernels)
         self.held, self.prefilling = {}, {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else None,
                 "draft_dtype": str(draft_dtype(model)).removeprefix("torch."),
-                "prepacked_weights": prepacked, **self.weights_info()}
+                "attention_backend": kernels.name, "prepacked_weights": prepacked, **self.weights_info()}
 
     def weights_info(self) -> dict:
         """What this rank holds: its routed experts, checkpoint bytes read (total and by weight class), and the
@@ -155,7 +153,7 @@ class CPWorker:
         with_draft = drafts_needed(plan.num_speculative_steps, plan.return_logits)  # the MTP layer at prefill
         if plan.prefill is not None:
             clock = PhaseClock() if plan.time_prefill_phases else None
-            with clock.attached(self.runner.model, self.backend) if clock is not None else nullcontext():
+            with clock.attached(self.runner.model, self.runner.backend) if clock is not None else nullcontext():
                 result.outputs.update(self._prefill(plan.prefill, plan.return_logits, plan.group_prefill_rows,
                                                     with_draft))
             if clock is not None:
@@ -234,8 +232,8 @@ class CPWorker:
         if self.exchange is not None:  # target and MTP forward alike: this batch's rows on every rank
             self.runner.begin_forward(0, True, self._prefill_rows(group_rows, shard.meta))
         tables = [PageTable(list(pages), prefix) for pages, prefix in zip(shard.page_tables, shard.meta.prefix_lens)]
-        ctx = PrefillContext(self.runner.model, self.backend, comm, self.cp_rank, tables, self.runner.page_size,
-                             self.device)
+        ctx = PrefillContext(self.runner.model, self.runner.family, self.runner.backend, comm, self.cp_rank, tables,
+                             self.runner.page_size, self.device)
         outputs = run_prefill(ctx, shard, return_logits, with_draft)
         for req, pages in zip(shard.requests, shard.page_tables):  # the owner keeps what decoding needs
             if not req.final_chunk:
@@ -260,9 +258,9 @@ class CPWorker:
     def _join_prefill(self, group_rows: tuple[int, ...], with_draft: bool) -> None:
         """Another rank prefills alone: join its target forward's (and MTP forward's) expert exchanges."""
         self.runner.begin_forward(0, True, self._prefill_rows(group_rows, None))
-        self.runner.model.join_experts(self.backend)
+        self.runner.model.join_experts(self.runner.backend)
         if with_draft and self.runner.model.num_mtp_layers > 0:
-            self.runner.model.join_experts(self.backend, 0)
+            self.runner.model.join_experts(self.runner.backend, 0)
 
     @torch.inference_mode()
     def _decode(self, plan: StepPlan, clock: DecodeClock) -> dict[str, RequestOutput]:

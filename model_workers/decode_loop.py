@@ -9,8 +9,9 @@ h_i) and `draft_hidden` is its output at position n-1, which predicts t_{n+1}. O
 3. roll back both caches to n + m + 1 positions and draft-extend the MTP layer over positions n..n+m with
    the accepted tokens and their target hidden states (overwriting the temporary draft KV).
 
-Under expert parallelism (DESIGN.md section 9) decode is DP attention in lockstep: each rank decodes the
-requests it owns, but every MoE layer is a group exchange, so every rank runs the same forwards. Each step
+Under expert parallelism (docs/parallelism.md, 'Expert parallelism and DP-attention decode') decode is DP
+attention in lockstep: each rank decodes the requests it owns, but every MoE layer is a group exchange, so every
+rank runs the same forwards. Each step
 starts with one small all-gather of every rank's live request count (`group_counts`); the step runs while
 any rank has one, and a rank without any joins each forward with zero rows. The draft chain and the verify
 forward take their row counts from that all-gather; the draft-extend (accepted counts vary) agrees anew.
@@ -27,9 +28,9 @@ import torch
 
 from cp_router.plans import RequestOutput
 from cp_router.sampling import SamplingParams
-from model_workers.backends.shared_topk import SharedTopkBackend, reuse_rows
+from model_workers.models.common.topk_sharing import TopkMemo, reuse_rows
 from model_workers.expert_parallel import dp_forward_rows
-from model_workers.kv_cache import PageTable
+from model_workers.page_table import PageTable
 from model_workers.logits_processing import TokenHistory
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.sampler import draft_token, sample, token_logprob, verify
@@ -122,17 +123,16 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
             state.out.logits = logits[b].cpu()
 
 
-def sharing_backend(runner: ModelRunner, states: list[DecodeState]) -> SharedTopkBackend | None:
-    """The MTP index-sharing backend when the checkpoint asks for it (GLM-5.2), else None."""
+def sharing_memo(runner: ModelRunner, states: list[DecodeState]) -> TopkMemo | None:
+    """The MTP layer's top-k memo when the checkpoint shares it across draft steps (GLM-5.2), else None."""
     sharing = runner.model.config.index_share_for_mtp_iteration
     if not states or not sharing or any(s.held.draft_topk is None for s in states):
         return None
-    return SharedTopkBackend(runner.cache, runner.model.config.num_hidden_layers, runner.exchange,
-                             runner.deterministic)
+    return TopkMemo(runner.model.config.num_hidden_layers)
 
 
 def draft_chain(
-    runner: ModelRunner, states: list[DecodeState], k: int, shared: SharedTopkBackend | None,
+    runner: ModelRunner, states: list[DecodeState], k: int, shared: TopkMemo | None,
     counts: list[int] | None = None,
 ) -> tuple[list[list[int]], list[list]]:
     """k draft tokens per request (MTP layer on its own output hidden); returns drafts and their q's."""
@@ -153,7 +153,7 @@ def draft_chain(
             if shared is not None:  # top-k of the last draft-extend row + the chain's own keys n..n+j
                 tables = [s.table for s in states]
                 shared.reuse = reuse_rows([s.held.draft_topk for s in states], tables, starts, j, runner.page_size)
-            hidden = runner.extend_mtp(items, hidden, [n + j for n in starts], backend=shared, is_extend=False,
+            hidden = runner.extend_mtp(items, hidden, [n + j for n in starts], topk_memo=shared, is_extend=False,
                                        rows=group_rows(runner, counts, 1, False))  # [B, D]
     return drafts, probs
 
@@ -166,7 +166,7 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
     starts = [s.table.num_tokens for s in states]  # n per request
     for state, n in zip(states, starts):
         cache.check_room(state.table, n + k + 1)
-    shared = sharing_backend(runner, states)
+    shared = sharing_memo(runner, states)
     with clock.timed("draft"):
         drafts, probs = draft_chain(runner, states, k, shared, counts)
     verify_items = [ExtendItem(s.table, [s.last_token] + d) for s, d in zip(states, drafts)]
@@ -197,7 +197,7 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
             shared.reuse = None  # the draft-extend selects its own top-k and records it
         with clock.timed("draft"):
             prev_hidden = torch.cat(extend_rows) if extend_rows else runner.empty_hidden()
-            mtp_hidden = runner.extend_mtp(extend_items, prev_hidden, extend_starts, backend=shared)
+            mtp_hidden = runner.extend_mtp(extend_items, prev_hidden, extend_starts, topk_memo=shared)
         ends = torch.tensor([len(it.token_ids) for it in extend_items]).cumsum(0) - 1  # [B'] last row each
         for state, row in zip(extended, ends.tolist()):
             state.held.draft_hidden = mtp_hidden[row]  # [D]

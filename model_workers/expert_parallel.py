@@ -1,4 +1,5 @@
-"""Expert parallelism across the CP group (DESIGN.md section 9): the exchange behind `routed_experts`.
+"""Expert parallelism across the CP group (docs/parallelism.md, 'Expert parallelism and DP-attention decode'): the
+exchange behind `routed_experts`.
 
 Every rank holds the attention of the whole model and one contiguous block of every MoE layer's routed
 experts. A MoE layer runs in lockstep on all ranks: each rank brings its own rows (its CP shard in prefill,
@@ -8,9 +9,9 @@ experts stay with the caller (added once per row, on its own rank).
 
 One collective shape: an all-to-all of each rank's rows to every rank -> the experts held here -> an all-to-all
 of each rank's partial sums back -> summed over ranks in rank order. The rows each rank brings follow the DP
-padding mode of DESIGN.md section 5: MAX_LEN pads every rank to the same P rows (padding rows route to no
-expert), SUM_LEN sends each rank's own count (zero allowed). A row travels with its routing (expert ids,
-weights) packed as raw bytes, so one collective moves all three.
+padding mode (docs/parallelism.md, 'Expert parallelism and DP-attention decode'): MAX_LEN pads every rank to the
+same P rows (padding rows route to no expert), SUM_LEN sends each rank's own count (zero allowed). A row travels
+with its routing (expert ids, weights) packed as raw bytes, so one collective moves all three.
 
 Why this shape (`dsa-serve bench ep-exchange`, gloo, DeepSeek-V3.2 MoE shapes): it moves the same bytes as
 all-gather + reduce-scatter but spent 0.4-0.93x its communication time at every row count measured (gloo's
@@ -27,7 +28,7 @@ import torch
 
 from cp_router.cp.padding import DPPaddingMode, dp_padded_rows, dp_padding_mode, pad_local_rows
 from model_workers.comm import LocalComm
-from model_workers.model.layers import sum_in_expert_order
+from model_workers.kernels.interface import ExpertLoop
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ForwardRows:
 
 def dp_forward_rows(rows_per_rank: list[int], dp_rank: int, is_extend: bool) -> ForwardRows:
     """A forward of DP-attention ranks (decode, verify, draft, a prefill run on one rank): the padding mode
-    and buffer rows of DESIGN.md section 5 (MAX_LEN when 2·sum >= max·dp, extend batches SUM_LEN)."""
+    and buffer rows (docs/parallelism.md: MAX_LEN when 2·sum >= max·dp, extend batches SUM_LEN)."""
     mode = dp_padding_mode(rows_per_rank, is_extend)
     return ForwardRows(tuple(rows_per_rank), mode, dp_padded_rows(rows_per_rank, dp_rank, is_extend))
 
@@ -69,10 +70,11 @@ def unpack_rows(packed: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtyp
 class ExpertExchange:
     """The expert-parallel group of one rank: its comm, and the row counts of the forward now running."""
 
-    def __init__(self, comm: LocalComm, deterministic: bool = False):
-        """`deterministic`: each row's expert terms come back unsummed and are added on its own rank in expert-id
-        order (`sum_in_expert_order`), the bits of one rank holding every expert."""
-        self.comm = comm
+    def __init__(self, comm: LocalComm, loop: ExpertLoop, deterministic: bool = False):
+        """`loop`: the kernel set's expert loop, run on the rows that reach this rank's experts; `deterministic`:
+        each row's expert terms come back unsummed and are added on its own rank in expert-id order
+        (`loop.add_in_expert_order`), the bits of one rank holding every expert."""
+        self.comm, self.loop = comm, loop
         self.deterministic = deterministic
         self.rows: ForwardRows | None = None
 
@@ -117,11 +119,11 @@ class ExpertExchange:
                                              "experts")  # [S, B] every rank's rows, rank-major
         rows_in = unpack_rows(received, hidden, top_k, x.dtype)
         if self.deterministic:  # [S, k*H]: one rank holds each slot's expert, the others send exact zeros
-            partial = experts.slot_outputs(*rows_in).reshape(received.shape[0], top_k * hidden)
+            partial = self.loop.slots(experts, *rows_in).reshape(received.shape[0], top_k * hidden)
         else:
-            partial = experts(*rows_in)  # [S, H]
+            partial = self.loop.sum(experts, *rows_in)  # [S, H]
         returned = self.comm.all_to_all_rows(partial, rows_per_rank, [num_rows] * size, "experts")  # [C*T, H']
         summed = returned.view(size, num_rows, partial.shape[1]).sum(0)  # [T, H']
         if self.deterministic:
-            return sum_in_expert_order(summed.view(num_rows, top_k, hidden), expert_ids)
+            return self.loop.add_in_expert_order(summed.view(num_rows, top_k, hidden), expert_ids)
         return summed  # [T, H]

@@ -11,12 +11,9 @@ experts, less than the whole checkpoint.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Callable
-
-from cp_router.console_log import configure_console_logging
 
 LOAD_PROGRESS_INTERVAL_S = 30.0
 GIB = 1024**3
@@ -28,22 +25,11 @@ def checkpoint_bytes(model_dir: str | Path) -> int:
     return sum(file.stat().st_size for file in Path(model_dir).glob("*.safetensors"))
 
 
-def in_ray_actor() -> bool:
-    """True in a Ray actor's process (whose stderr Ray forwards to the driver)."""
-    if "ray" not in sys.modules:
-        return False
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-
-
 class LoadProgress:
     """`read(nbytes)` after each tensor read; `done(total_read)` at the end. Logs as the module docstring shows."""
 
     def __init__(self, cp_rank: int, model_dir: str | Path, interval_s: float = LOAD_PROGRESS_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic, log: logging.Logger = logger):
-        if in_ray_actor():
-            configure_console_logging()
         self.cp_rank, self.interval_s, self.clock, self.log = cp_rank, interval_s, clock, log
         self.total, self.bytes_read = checkpoint_bytes(model_dir), 0
         self.started = self.last_line = clock()

@@ -1,8 +1,10 @@
 """Where a prefill's time goes: indexer, compressor (DeepSeek-V4), attention, MLP / MoE, communication, the rest.
 
 `PhaseClock.attached(model, backend)` times module forwards with hooks and the backend's top-k, KV store
-and (V4) window / compressed-entry calls by wrapping them, and V4's indexer selection, for the duration of a
-`with` block; nothing is left installed afterwards.
+and (V4) window / compressed-entry calls by wrapping them, and the methods modules name in `timed_methods` (V4's
+indexer selection), for the duration of a `with` block; nothing is left installed afterwards. A model module says
+which phase its forward is by a `timing_phase` attribute (MLA / V4 attention, the DSA indexer, MLP / MoE), so the
+clock knows no family.
 Times are host wall clock, which equals device time on CPU (synchronous); on CUDA they measure launch
 time only unless the caller synchronizes, so the split is a CPU measurement.
 """
@@ -14,11 +16,6 @@ import time
 from collections import defaultdict
 
 from torch import nn
-
-from model_workers.model.attention import Indexer, MLAttention
-from model_workers.model.layers import MLP, MoE
-from model_workers.model.v4_attention import V4Attention
-from model_workers.model.v4_compress import LightningIndexer
 
 PHASES = ("indexer", "compressor", "attention", "mlp", "communication", "other")
 BACKEND_PHASES = {"select_topk": "indexer", "store_kv": "kv_store", "window_rows": "kv_store",
@@ -33,15 +30,15 @@ class PhaseClock:
     @contextlib.contextmanager
     def attached(self, model: nn.Module, backend):
         handles = []
-        nested = {id(m.shared_experts) for m in model.modules() if isinstance(m, MoE)}  # timed with their MoE
+        nested = {id(m.shared_experts) for m in model.modules()
+                  if getattr(m, "shared_experts", None) is not None}  # timed with their MoE
         for module in model.modules():
             kind = phase_of(module)
             if kind is not None and id(module) not in nested:
                 handles.append(module.register_forward_pre_hook(self._start_hook))
                 handles.append(module.register_forward_hook(self._stop_hook(kind)))
         wrapped = [(backend, name, kind) for name, kind in BACKEND_PHASES.items() if hasattr(backend, name)]
-        wrapped += [(m, "select", "indexer") for m in model.modules() if isinstance(m, LightningIndexer)]
-        wrapped += [(m, "queries", "indexer") for m in model.modules() if isinstance(m, LightningIndexer)]
+        wrapped += [(m, name, kind) for m in model.modules() for name, kind in getattr(m, "timed_methods", {}).items()]
         for owner, name, kind in wrapped:
             setattr(owner, name, self._timed(getattr(owner, name), kind))
         try:
@@ -81,10 +78,5 @@ class PhaseClock:
 
 
 def phase_of(module: nn.Module) -> str | None:
-    if isinstance(module, Indexer):
-        return "indexer"
-    if isinstance(module, (MLAttention, V4Attention)):
-        return "attention_total"
-    if isinstance(module, (MoE, MLP)):
-        return "mlp"
-    return None
+    """The phase a module's forward counts in: its `timing_phase` (None: not timed on its own)."""
+    return getattr(module, "timing_phase", None)

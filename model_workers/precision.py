@@ -11,26 +11,28 @@ The MTP draft has a dtype of its own (`draft_dtype_for`): float32 on a CPU, what
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
 
-from model_workers.model.draft_dtype import draft_dtype, widened_parameter_count, widen_draft
+from model_workers.checkpoint.model_dir import read_config_json
+from model_workers.models.common.draft_dtype import draft_dtype, widened_parameter_count, widen_draft
+from model_workers.spec import ModelSpec, stored_dtype
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the one table of --dtype names
 AUTO_DTYPE = "auto"  # --dtype auto: the checkpoint's own (`resolve_dtype_name`)
 
 
-def resolve_dtype_name(name: str, model_dir: str | Path, device: str = "cpu") -> str:
+def resolve_dtype_name(name: str, model: ModelSpec | str | Path, device: str = "cpu") -> str:
     """A --dtype name with `auto` resolved (as vLLM): a float32 checkpoint stays float32 on a CPU and runs in
-    bfloat16 on CUDA; bfloat16, float16 and FP8 checkpoints run in bfloat16."""
+    bfloat16 on CUDA; bfloat16, float16 and FP8 checkpoints run in bfloat16. `model`: the engine spec's (or a
+    folder, whose config.json is read here)."""
     if name != AUTO_DTYPE:
         storage_dtype(name)
         return name
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    stored = config.get("torch_dtype") or config.get("dtype") or "float32"
+    raw = model.raw if isinstance(model, ModelSpec) else read_config_json(Path(model))
+    stored = stored_dtype(raw)
     if stored == "float32" and not str(device).startswith("cuda"):
         return "float32"
     return "bfloat16"
@@ -61,12 +63,13 @@ def compute_dtype(storage: torch.dtype, device: torch.device | str) -> torch.dty
     return storage
 
 
-DRAFT_WIDEN_MAX_BYTES = 1 << 30  # the MTP layers' float32 copy a CPU rank may add for the draft (model/draft_dtype.py)
+# the MTP layers' float32 copy a CPU rank may add for the draft (models/common/draft_dtype.py)
+DRAFT_WIDEN_MAX_BYTES = 1 << 30
 
 
 def draft_dtype_for(compute: torch.dtype, device: torch.device | str, widened_params: int) -> torch.dtype:
     """The dtype the MTP draft computes in, for a target computing in `compute` whose MTP layers have
-    `widened_params` parameters that widening would cast (model/draft_dtype.py: all but experts and heads).
+    `widened_params` parameters that widening would cast (models/common/draft_dtype.py: all but experts and heads).
 
     On a CPU, float32 while that float32 copy stays under DRAFT_WIDEN_MAX_BYTES: a draft forward is a few rows,
     where bf16 products cost more than float32 ones (oneDNN's fixed cost per call, casts around every norm). On
@@ -80,6 +83,6 @@ def draft_dtype_for(compute: torch.dtype, device: torch.device | str, widened_pa
 
 
 def set_draft_precision(model, device: torch.device | str) -> None:
-    """Widens the model's MTP layers to `draft_dtype_for` their size on `device` (model/draft_dtype.py), as a
+    """Widens the model's MTP layers to `draft_dtype_for` their size on `device` (models/common/draft_dtype.py), as a
     rank does at load."""
     widen_draft(model, draft_dtype_for(draft_dtype(model), device, widened_parameter_count(model)))

@@ -1,6 +1,7 @@
-"""DESIGN.md section 2, enforced by reading every import with `ast` (module level, TYPE_CHECKING blocks and
-function bodies alike): who may import whom, no import cycle among the project's modules, files of at most
-300 lines, and no module or class named after a standard-library name."""
+"""docs/architecture.md, 'Layers and who may import whom', enforced by reading every import with `ast` (module
+level, TYPE_CHECKING blocks and function bodies alike): who may import whom, model families that import no other
+family, no import cycle among the project's modules, files of at most 300 lines, and no module or class named
+after a standard-library name."""
 
 from __future__ import annotations
 
@@ -15,18 +16,25 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "cp_router", "model_workers")
+PACKAGES = ("cluster", "cp_router", "model_workers", "benchmarks")
 MAX_LINES = 300
 
-# (modules under this prefix, what they must not import, except these prefixes): DESIGN.md section 2's table.
+# (modules under this prefix, what they must not import, except these prefixes): the architecture page's table.
+# The first rule whose prefix matches a module applies.
+FAMILY_ALLOWED = ("model_workers.models", "model_workers.kernels", "model_workers.page_table", "model_workers.kv_format",
+                  "model_workers.checkpoint.weight_classes", "model_workers.checkpoint.saver",
+                  "model_workers.checkpoint.quantized", "cp_router.cp")
 RULES = [
-    ("model_workers.model", ("ray", "torch.distributed", "cp_router", "cluster", "model_workers"),
-     ("model_workers.model",)),
-    ("model_workers.backends", ("ray", "cluster", "cp_router"), ("cp_router.cp",)),
-    ("model_workers", ("cluster",), ()),
+    ("model_workers.kernels", ("ray", "torch.distributed", "cp_router", "cluster", "model_workers"),
+     ("model_workers.kernels",)),
+    ("model_workers.models", ("ray", "torch.distributed", "cp_router", "cluster", "model_workers"), FAMILY_ALLOWED),
+    ("model_workers", ("cluster", "ray"), ()),
     ("cp_router.cp", ("ray", "torch.distributed", "model_workers", "cluster", "cp_router"), ("cp_router.cp",)),
     ("cp_router", ("model_workers", "torch.distributed", "ray", "cluster"), ()),
 ]
+MODELS = "model_workers.models"
+SHARED_MODEL_MODULES = ("common", "family", "registry")  # not families: what every family builds with, the table
+FAMILY_IMPORTERS = ("model_workers.models.registry", "model_workers.training")  # the table; the DSA tiny model's training
 DISTRIBUTED_OWNER = "model_workers.comm"  # the one module that imports torch.distributed
 
 
@@ -84,9 +92,35 @@ def violations_in(module: str, imports: list[tuple[str, int]], where: str) -> li
     return problems
 
 
+def family_of_module(name: str) -> str | None:
+    """The family folder a module belongs to (model_workers.models.<family>...), None outside one."""
+    parts = name.split(".")
+    if len(parts) < 3 or ".".join(parts[:2]) != MODELS or parts[2] in SHARED_MODEL_MODULES:
+        return None
+    return parts[2]
+
+
+def family_violations(module: str, imports: list[tuple[str, int]], where: str) -> list[str]:
+    """A family folder importing another family; shared model code or code outside models/ importing a family
+    (everything else asks models/registry.py; tests and the registry itself may name families)."""
+    own, problems = family_of_module(module), []
+    for name, line in imports:
+        other = family_of_module(name)
+        if other is None or other == own:
+            continue
+        if own is not None:
+            problems.append(f"{where}:{line} imports {name}: family {own} must not import family {other}")
+        elif not any(_under(module, allowed) for allowed in FAMILY_IMPORTERS):
+            problems.append(f"{where}:{line} imports {name}: only models/registry.py may name a family")
+    return problems
+
+
 def layering_violations(files: list[Path]) -> list[str]:
-    return [problem for path in files
-            for problem in violations_in(module_of(path), imports_of(path), str(path.relative_to(REPO)))]
+    problems = []
+    for path in files:
+        module, imports, where = module_of(path), imports_of(path), str(path.relative_to(REPO))
+        problems += violations_in(module, imports, where) + family_violations(module, imports, where)
+    return problems
 
 
 def import_graph(files: list[Path]) -> dict[str, list[str]]:
@@ -148,18 +182,49 @@ def test_no_module_or_class_is_named_after_the_standard_library():
 
 
 @pytest.mark.parametrize("module,line,expected", [
-    ("model_workers.model.probe", "import ray", "model_workers.model must not import"),
-    ("model_workers.model.probe", "from cp_router.scheduler import Scheduler", "model_workers.model must not import"),
+    ("model_workers.models.dsa.probe", "import ray", "model_workers.models must not import"),
+    ("model_workers.models.dsa.probe", "from cp_router.scheduler import Scheduler", "model_workers.models must not"),
+    ("model_workers.models.deepseek_v4.probe", "from model_workers.runner import ModelRunner",
+     "model_workers.models must not import"),
+    ("model_workers.models.common.probe", "from cluster.launch import CPGroup", "model_workers.models must not"),
+    ("model_workers.kernels.torch.probe", "from model_workers.models.common.layers import Experts",
+     "model_workers.kernels must not import"),
+    ("model_workers.kernels.probe", "from cp_router.cp.metadata import RankMetadata", "model_workers.kernels must not"),
+    ("model_workers.kernels.torch.probe", "from cluster.config import CPConfig", "model_workers.kernels must not"),
     ("model_workers.runner", "import torch.distributed as dist", "only model_workers.comm may"),
-    ("cp_router.cp.probe", "from model_workers.model.layers import MoE", "cp_router.cp must not import"),
+    ("model_workers.runner", "import ray", "model_workers must not import"),
+    ("cp_router.cp.probe", "from model_workers.models.common.layers import MoE", "cp_router.cp must not import"),
     ("cp_router.cp.probe", "from cp_router.plans import StepPlan", "cp_router.cp must not import"),
     ("cp_router.engine", "import ray", "cp_router must not import"),
-    ("model_workers.backends.probe", "from cp_router.scheduler import Scheduler", "model_workers.backends must not"),
     ("model_workers.cp_worker", "from cluster.launch import CPGroup", "model_workers must not import"),
 ])
 def test_the_checks_see_a_violation(module, line, expected):
     """The rules are not vacuous: each forbidden import, placed in a module, is reported."""
     assert any(expected in problem for problem in violations_in(module, imports_in(line, module), "probe"))
+
+
+@pytest.mark.parametrize("module,line,expected", [
+    ("model_workers.models.dsa.probe", "from model_workers.models.deepseek_v4.cache import V4Cache",
+     "family dsa must not import family deepseek_v4"),
+    ("model_workers.models.deepseek_v4.probe", "from model_workers.models.dsa import FAMILY",
+     "family deepseek_v4 must not import family dsa"),
+    ("model_workers.models.common.probe", "from model_workers.models.dsa.config import ModelConfig",
+     "only models/registry.py may name a family"),
+    ("model_workers.runner", "from model_workers.models.deepseek_v4.cache import V4Cache",
+     "only models/registry.py may name a family"),
+    ("cluster.engine_spec", "from model_workers.models.dsa.model import DSAForCausalLM",
+     "only models/registry.py may name a family"),
+])
+def test_the_family_check_sees_a_violation(module, line, expected):
+    """Families stay apart, and nothing but the registry picks one by importing it."""
+    assert any(expected in problem for problem in family_violations(module, imports_in(line, module), "probe"))
+
+
+def test_the_registry_and_a_family_importing_itself_are_allowed():
+    assert family_violations("model_workers.models.registry", imports_in(
+        "from model_workers.models import deepseek_v4, dsa", "model_workers.models.registry"), "probe") == []
+    assert family_violations("model_workers.models.dsa.backend", imports_in(
+        "from model_workers.models.dsa.cache import PagedKVCache", "model_workers.models.dsa.backend"), "probe") == []
 
 
 def test_the_cycle_check_sees_a_cycle():

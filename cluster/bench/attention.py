@@ -99,8 +99,9 @@ def timed(fn) -> tuple[float, object]:
 @torch.inference_mode()
 def measure_length(inputs: dict[str, torch.Tensor], topk: int, repeats: int) -> dict:
     """Median sparse (indexer + gathered attention) and dense times for one length; one untimed warm-up."""
-    from model_workers.model.dense_ops import dense_causal_mla_attention
-    from model_workers.model.sparse_ops import causal_topk, sparse_mla_attention
+    from model_workers.kernels.torch.dense_mla import dense_causal_mla_attention
+    from model_workers.kernels.torch.sparse_mla import sparse_mla_attention
+    from model_workers.kernels.torch.topk import causal_topk
 
     t = inputs
     scale = float(t["scale"])

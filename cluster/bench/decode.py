@@ -53,7 +53,8 @@ def measure_batch(model_dir, ks: list[int], batch: int, args) -> list[dict]:
     """One result per k at batch size `batch`. Every k has its own engine, all up at once, and they take turns:
     --rounds passes, each running every prompt at least once (B at a time) on each engine, the order of the ks
     reversed every other pass, so a slow spell of a shared machine taxes every k alike."""
-    from cluster.engine_setup import EngineOptions, run_all
+    from cluster.engine_setup import run_all
+    from cluster.engine_spec import EngineOptions
     from cp_router.protocol import EngineRequest
     from model_workers.checkpoint.tokenizer import encode, load_tokenizer
 
@@ -91,7 +92,8 @@ def measure_batch(model_dir, ks: list[int], batch: int, args) -> list[dict]:
 def open_engines(model_dir, options: dict, use_ray: bool):
     """({k: engine}, close): C = 1 engines (one per entry of `options`) over in-process workers, or over one Ray
     worker actor each."""
-    from cluster.engine_setup import LOCAL_CP, start_local_engine
+    from cluster.engine_setup import start_local_engine
+    from cluster.engine_spec import LOCAL_CP
 
     if not use_ray:  # no Ray imported: C = 1 runs where `import ray` fails
         return {k: start_local_engine(model_dir, o) for k, o in options.items()}, lambda: None

@@ -151,11 +151,12 @@ def rank_main(rank: int, size: int, port: int, rows: list[int], shape: dict, que
 
     from model_workers.comm import ProcessGroupComm
     from model_workers.expert_parallel import ExpertExchange
+    from model_workers.kernels.registry import kernel_set
 
     torch.set_num_threads(1)
     comm = ProcessGroupComm("127.0.0.1", port, rank, size, torch.device("cpu"))
     try:
-        exchange = ExpertExchange(comm)
+        exchange = ExpertExchange(comm, kernel_set().experts)
         queue.put((rank, {t: time_shape(comm, exchange, t, shape) for t in rows}))
     except Exception as exc:  # noqa: BLE001 - the parent reports it
         queue.put((rank, f"{type(exc).__name__}: {exc}"))

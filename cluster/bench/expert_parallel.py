@@ -144,9 +144,10 @@ def run_group(model_dir, ep_size: int, k: int, prompts, batches: list[int], leng
     import ray
 
     from cluster.config import ResolvedCPConfig
-    from cluster.engine_setup import EngineOptions, start_engine
+    from cluster.engine_spec import EngineOptions
+    from cluster.ray_engine import start_engine
     from cp_router.cp.padding import ceil_div
-    from model_workers.model.config import load_model_config
+    from model_workers.checkpoint.model_dir import load_model_config
 
     cp = ResolvedCPConfig(enabled=True, cp_size=args.cp_size, strategy="zigzag", impl="legacy", ep_size=ep_size)
     pages = ceil_div(max(lengths, default=0), 64) + 2 + max(batches) * ceil_div(64 + args.max_tokens + k + 1, 64)
@@ -223,10 +224,10 @@ def memory_comparison(model_dir, groups: list[dict], cp_size: int) -> list[dict]
 def run_ep(args: argparse.Namespace) -> int:
     import torch
 
-    from cluster.engine_setup import EngineOptions
+    from cluster.engine_spec import EngineOptions
     from cluster.launch import engine_cpus, ray_session
     from model_workers.checkpoint.model_dir import resolve_model_dir
-    from model_workers.model.config import load_model_config
+    from model_workers.checkpoint.model_dir import load_model_config
     from model_workers.precision import (
         compute_dtype,
         cpu_has_native_bf16,

@@ -1,20 +1,18 @@
-"""Model FLOPs of one DSA prefill, counted from the model config; the machine's fp32 GEMM rate; their ratio.
+"""Model FLOPs of one prefill (a family's `prefill_flops`: model_workers/models/dsa/flops.py); the machine's fp32
+GEMM rate; their ratio.
 
-`prefill_flops` counts what the served prefill (model_workers/cp_prefill.py `run_prefill`) computes for a
-prompt of L tokens: the target layers, then MTP layer 0 over the same rows when the checkpoint has MTP layers,
-and the LM head (target and MTP) only on the rows whose logits are taken (each prefill chunk's last row). A
-multiply-add is 2 FLOPs; norms, RoPE, softmax, routing and top-k selection are not counted. `flop_efficiency`
-divides them by what the ranks' threads could do at the rate of a large fp32 matmul (`gemm_rates`).
+`flop_efficiency` divides the FLOPs of what the served prefill computes (model_workers/cp_prefill.py
+`run_prefill`) by what the ranks' threads could do at the rate of a large fp32 matmul (`gemm_rates`); DEFINITIONS
+says what is counted.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
-from model_workers.model.config import ModelConfig
+from model_workers.models.registry import BY_MODEL_TYPE, FAMILIES
 
 PHASES = ("indexer", "attention", "mlp")  # the phase_clock phases the efficiency is given for
 GEMM_SIZE, GEMM_REPEATS = 2048, 3
@@ -39,80 +37,21 @@ DEFINITIONS = {
 }
 
 
-def causal_pairs(length: int) -> int:
-    """Query-key pairs of a causal prompt of `length` tokens: L(L+1)/2."""
-    return length * (length + 1) // 2
-
-
-def sparse_keys(length: int, topk: int) -> int:
-    """Σ over positions p < L of min(topk, p + 1): the keys sparse attention reads for the whole prompt."""
-    ramp = min(length, topk)
-    return causal_pairs(ramp) + (length - ramp) * topk
-
-
-def layer_linear_flops(config: ModelConfig, has_indexer: bool, sparse_mlp: bool) -> dict[str, int]:
-    """FLOPs per token of one layer's linears, by phase."""
-    c, hidden, heads = config, config.hidden_size, config.num_attention_heads
-    attention = (hidden * c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim + hidden * c.latent_dim
-                 + heads * c.qk_nope_head_dim * c.kv_lora_rank + heads * c.kv_lora_rank * c.v_head_dim
-                 + heads * c.v_head_dim * hidden)
-    indexer = (c.q_lora_rank * c.index_n_heads * c.index_head_dim + hidden * c.index_head_dim
-               + hidden * c.index_n_heads) if has_indexer else 0
-    if sparse_mlp:
-        expert = 3 * hidden * c.moe_intermediate_size
-        mlp = hidden * c.n_routed_experts + c.n_shared_experts * expert + c.num_experts_per_tok * expert
-    else:
-        mlp = 3 * hidden * c.intermediate_size
-    return {"attention": 2 * attention, "indexer": 2 * indexer, "mlp": 2 * mlp}
-
-
-def prefill_layers(config: ModelConfig, mtp_sparse: bool | None = None) -> list[tuple[bool, bool]]:
-    """(has an indexer, MoE MLP) per layer the prefill runs: the target layers, then MTP layer 0 if the config
-    has MTP layers (always indexed; MoE unless `mtp_sparse` says otherwise, or the model has no experts)."""
-    layers = [(kind == "full", mlp == "sparse") for kind, mlp in zip(config.indexer_types, config.mlp_layer_types)]
-    if config.num_nextn_predict_layers > 0:
-        layers.append((True, config.n_routed_experts > 0 if mtp_sparse is None else mtp_sparse))
-    return layers
-
-
-def prefill_flops(config: ModelConfig, length: int, logit_rows: int = 1, mtp_sparse: bool | None = None) -> dict:
-    """Model FLOPs of one prefill of `length` tokens, by part and by phase (see DEFINITIONS["model_flops"])."""
-    layers = prefill_layers(config, mtp_sparse)
-    linears = [layer_linear_flops(config, indexed, sparse) for indexed, sparse in layers]
-    has_mtp = config.num_nextn_predict_layers > 0
-    heads_out = 2 * config.hidden_size * config.vocab_size
-    parts = {
-        "attention_linears": length * sum(f["attention"] for f in linears),
-        "sparse_attention": len(layers) * sparse_keys(length, config.index_topk) * config.num_attention_heads
-        * (config.latent_dim + config.kv_lora_rank) * 2,
-        "indexer_linears": length * sum(f["indexer"] for f in linears),
-        "indexer_scoring": sum(indexed for indexed, _ in layers) * causal_pairs(length) * config.index_n_heads
-        * config.index_head_dim * 2,
-        "mlp_linears": length * sum(f["mlp"] for f in linears),
-        "mtp_eh_proj": length * 2 * (2 * config.hidden_size) * config.hidden_size if has_mtp else 0,
-        "lm_head": logit_rows * heads_out * (2 if has_mtp else 1),
-    }
-    phases = {"indexer": parts["indexer_linears"] + parts["indexer_scoring"],
-              "attention": parts["attention_linears"] + parts["sparse_attention"], "mlp": parts["mlp_linears"]}
-    return {"prompt_len": length, "layers": len(layers), "logit_rows": logit_rows, "parts": parts, "phases": phases,
-            "total": sum(parts.values())}
-
-
-def checkpoint_flop_config(model_dir) -> tuple[object, bool | None]:
+def checkpoint_flop_config(model) -> tuple[object, bool | None]:
     """(the config as the loader builds the model: num_nextn_predict_layers = the MTP layers the checkpoint
-    holds, whether MTP layer 0 has an MoE (None: no MTP layer)); other config types are returned as they are."""
-    import dataclasses
+    holds, whether MTP layer 0 has an MoE (None: no MTP layer)); `model` a folder or a `ModelSpec`. A family
+    without a FLOP count gets its config back as it is."""
+    from model_workers.checkpoint.loader import checkpoint_files
+    from model_workers.checkpoint.model_dir import read_model_spec
+    from model_workers.spec import ModelSpec
 
-    from model_workers.checkpoint.loader import checkpoint_files, count_mtp_layers, mtp_layout
-    from model_workers.model.config import load_model_config
-
-    config = load_model_config(model_dir)
-    if not isinstance(config, ModelConfig):
-        return config, None
-    names = set(checkpoint_files(Path(model_dir)))
-    count = count_mtp_layers(config, names)
-    layout = mtp_layout(config, names, count)
-    return dataclasses.replace(config, num_nextn_predict_layers=count), layout[0][0] if layout else None
+    spec = model if isinstance(model, ModelSpec) else read_model_spec(model)
+    if spec.family.prefill_flops is None:
+        return spec.config, None
+    with torch.device("meta"):  # the model the loader would build: no memory, no weights read
+        built, config = spec.family.build_model(spec.config, set(checkpoint_files(spec.path)), None)
+    layers = built.model.layers[config.num_hidden_layers :]
+    return config, (getattr(layers[0].mlp, "experts", None) is not None) if len(layers) else None
 
 
 def gemm_flops_per_s(threads: int, size: int = GEMM_SIZE, repeats: int = GEMM_REPEATS) -> float:
@@ -146,10 +85,12 @@ def flop_efficiency(config, length: int, run: dict, gemm: dict, mtp_sparse: bool
     """The `prefill_flop_efficiency` block of one prefill `run` (a prefill_runs summary: wall_s, chunks,
     per_rank_phase_s) of `length` tokens, against `gemm_rates`; skipped for configs it cannot count.
     `config` and `mtp_sparse` as `checkpoint_flop_config` gives them."""
-    if not isinstance(config, ModelConfig):
-        return {"skipped": True, "reason": f"the FLOP count covers MLA + indexer models (deepseek_v32, glm_moe_dsa),"
+    family = BY_MODEL_TYPE.get(getattr(config, "model_type", None))
+    if family is None or family.prefill_flops is None:
+        counted = ", ".join(t for f in FAMILIES if f.prefill_flops is not None for t in f.model_types)
+        return {"skipped": True, "reason": f"the FLOP count covers MLA + indexer models ({counted}),"
                                            f" not {getattr(config, 'model_type', type(config).__name__)}"}
-    flops = prefill_flops(config, length, logit_rows=run["chunks"], mtp_sparse=mtp_sparse)
+    flops = family.prefill_flops(config, length, logit_rows=run["chunks"], mtp_sparse=mtp_sparse)
     phase_s = {p: sum(split.get(p, 0.0) for split in run["per_rank_phase_s"]) for p in PHASES}
     return {
         "skipped": False, "prompt_len": length, "cp_size": len(run["per_rank_phase_s"]),

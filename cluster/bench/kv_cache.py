@@ -74,14 +74,13 @@ def compare(reference: dict, fp8: dict) -> dict:
 def run_kv_cache(args: argparse.Namespace) -> int:
     import torch
 
-    from model_workers.checkpoint.capacity import kv_bytes_per_token
     from model_workers.checkpoint.loader import load_model
-    from model_workers.checkpoint.model_dir import resolve_model_dir
+    from model_workers.checkpoint.model_dir import read_model_spec
     from model_workers.precision import compute_dtype, storage_dtype
 
-    model_dir = resolve_model_dir(args.model)
-    storage = storage_dtype(args.dtype)
-    model = load_model(model_dir, compute_dtype(storage, "cpu"), progress=False)
+    spec = read_model_spec(args.model)  # config.json read once
+    model_dir, storage = spec.path, storage_dtype(args.dtype)
+    model = load_model(spec, compute_dtype(storage, "cpu"), progress=False)
     prompts = held_out_prompts(model_dir, args.prompts, args.prompt_len)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -89,7 +88,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         fp8 = decode_run(model, "fp8_e4m3", storage, prompts, args.max_tokens, forced=reference["tokens"])
     runs = {"bfloat16": reference, "fp8_e4m3": fp8}
     by_dtype = {name: {"measured_kv_bytes_per_token": runs[name]["kv_bytes_per_token"],
-                       "formula_kv_bytes_per_token": kv_bytes_per_token(model.config, name),
+                       "formula_kv_bytes_per_token": spec.family.cache_bytes_per_token(model.config, name),
                        "tokens_per_gib": (2**30) // runs[name]["kv_bytes_per_token"]} for name in COMPARED}
     result = {
         "bench": "kv-cache", "command": spelled_command("kv-cache", args, KV_CACHE_FLAGS),

@@ -34,15 +34,6 @@ from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, m
 from cp_router.cp.strategies import CP_STRATEGIES
 from model_workers.precision import storage_dtype
 
-KV_GATHER_FORMULA = "(C-1)/C * L * layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes"
-KV_TOKEN_FORMULA = "layers * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes (MTP layer included)"
-FP8_ROW_FORMULA = ("kv_lora_rank + 4*ceil(kv_lora_rank/128) + 2*qk_rope_head_dim + index_head_dim"
-                   " + 4*ceil(index_head_dim/128)")
-FP8_GATHER_FORMULA = f"(C-1)/C * L * layers * ({FP8_ROW_FORMULA}) (FP8 bytes and fp32 scales, as stored)"
-FP8_TOKEN_FORMULA = f"layers * ({FP8_ROW_FORMULA}) (DESIGN.md §10; MTP layer included)"
-V4_GATHER_FORMULA = ("(C-1)/C * L * (layers * head_dim + CSA layers * 4 * (head_dim + index_head_dim)"
-                     " + HCA layers * 2 * head_dim) * dtype_bytes (MTP layers in `layers`)")
-V4_TOKEN_FORMULA = "(CSA layers * (head_dim + index_head_dim) / 4 + HCA layers * head_dim / 128) * dtype_bytes"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
 PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "kv_cache_dtype",
                  "repeats", "skip_equal_cores", "enable_deterministic_inference")
@@ -67,31 +58,20 @@ def add_parser(kinds) -> None:
     prefill.set_defaults(run=run_prefill)
 
 
-def formula_kv_bytes(hf_config: dict, cp_size: int, num_tokens: int, dtype: str, kv_cache_dtype: str = "auto") -> float:
-    """KV bytes one rank receives in CP prefill (the per-layer gathers), by formula."""
-    if hf_config.get("model_type") == "deepseek_v4":
-        from model_workers.models.deepseek_v4.config import parse_v4_config
-        from model_workers.models.deepseek_v4.cache import gather_bytes_per_token
-
-        config = parse_v4_config(hf_config)
-        per_token = gather_bytes_per_token(config, int(hf_config.get("num_nextn_predict_layers") or 0),
-                                           storage_dtype(dtype).itemsize)
-    else:
-        per_token = kv_bytes_per_token_formula(hf_config, dtype, kv_cache_dtype)
+def formula_kv_bytes(model, cp_size: int, num_tokens: int, dtype: str, kv_cache_dtype: str = "auto") -> float:
+    """KV bytes one rank receives in CP prefill (the per-layer gathers), by its family's formula."""
+    per_token = model.family.gather_bytes_per_token(model.config, kv_dtype_name(dtype, kv_cache_dtype))
     return (cp_size - 1) / cp_size * num_tokens * per_token
 
 
-def kv_bytes_per_token_formula(hf_config: dict, dtype: str, kv_cache_dtype: str = "auto") -> float:
-    """Cache bytes one more token of context costs on its owner, by formula."""
-    if hf_config.get("model_type") == "deepseek_v4":
-        from model_workers.models.deepseek_v4.config import parse_v4_config
-        from model_workers.models.deepseek_v4.cache import bytes_per_token
+def kv_bytes_per_token_formula(model, dtype: str, kv_cache_dtype: str = "auto") -> float:
+    """Cache bytes one more token of context costs on its owner, by its family's formula."""
+    return model.family.cache_bytes_per_token(model.config, kv_dtype_name(dtype, kv_cache_dtype))
 
-        return bytes_per_token(parse_v4_config(hf_config), storage_dtype(dtype).itemsize)
-    from model_workers.models.dsa.capacity import kv_bytes_per_token
-    from model_workers.models.registry import parse_model_config
 
-    return kv_bytes_per_token(parse_model_config(hf_config), dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+def kv_dtype_name(dtype: str, kv_cache_dtype: str) -> str:
+    """What the cache stores: --kv-cache-dtype, `auto` being --dtype."""
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def modeled_imbalance(length: int, cp_size: int, impl: str) -> dict[str, float]:
@@ -125,7 +105,7 @@ def path_entry(cp_size: int, single: dict, equal: dict | None, ranks: dict) -> d
     }
 
 
-def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | None], flop_setup: tuple) -> dict:
+def length_entry(length: int, cp, model, args, configs: list[dict | None], flop_setup: tuple) -> dict:
     """One prompt length: the served path's numbers at the top (with the C ranks' FLOP efficiency, `flop_setup`
     = (checkpoint_flop_config, gemm_rates)), the unchunked batch under `one_batch`."""
     from cluster.bench.flops import flop_efficiency
@@ -137,7 +117,7 @@ def length_entry(length: int, cp, hf_config: dict, args, configs: list[dict | No
 
     entry = {"prompt_len": length, "cp_size": cp.cp_size, **path_entry(cp.cp_size, *runs("served"))}
     entry["modeled_causal_work_imbalance"] = modeled_imbalance(length, cp.cp_size, cp.impl)
-    entry["formula_kv_bytes_per_rank"] = formula_kv_bytes(hf_config, cp.cp_size, length, args.dtype,
+    entry["formula_kv_bytes_per_rank"] = formula_kv_bytes(model, cp.cp_size, length, args.dtype,
                                                           args.kv_cache_dtype)
     entry["one_batch"] = path_entry(cp.cp_size, *runs("one_batch"))
     (config, mtp_sparse), gemm = flop_setup
@@ -160,13 +140,12 @@ def run_prefill(args: argparse.Namespace) -> int:
     model = read_model_spec(args.model)  # config.json read once
     model_dir: Path = model.path
     cp = resolve_cp_settings(args, model)
-    hf_config = model.raw
     generator = torch.Generator().manual_seed(0)
-    prompts = {n: torch.randint(0, hf_config["vocab_size"], (n,), generator=generator).tolist() for n in lengths}
+    prompts = {n: torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths}
     with_equal = not args.skip_equal_cores and cp.cp_size > 1
     timed = time_configs(model_dir, cp, with_equal, prompts, args)
     single, equal, ranks = timed[0], (timed[1] if with_equal else None), timed[-1]
-    flop_setup = checkpoint_flop_config(model_dir), gemm_rates(cp.cp_size, 1)  # Ray is down: nothing else runs
+    flop_setup = checkpoint_flop_config(model), gemm_rates(cp.cp_size, 1)  # Ray is down: nothing else runs
     result = {
         "bench": "prefill", "command": spelled_command("prefill", args, PREFILL_FLAGS),
         "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
@@ -176,11 +155,11 @@ def run_prefill(args: argparse.Namespace) -> int:
         "cp_size": cp.cp_size, "cp_strategy": cp.strategy, "cp_impl": cp.impl, "ep_size": cp.ep_size,
         "repeats": args.repeats,
         "prefill_chunk_tokens": ranks["prefill_chunk_tokens"], "paths": PATHS,
-        **formula_texts(hf_config, args.kv_cache_dtype),
+        **model.family.kv_formulas(args.kv_cache_dtype),
         "measured_kv_bytes_per_token": ranks["kv_bytes_per_token"],
-        "formula_kv_bytes_per_token": kv_bytes_per_token_formula(hf_config, args.dtype, args.kv_cache_dtype),
-        **kv_capacity(hf_config),
-        "lengths": [length_entry(n, cp, hf_config, args, [single, equal, ranks], flop_setup) for n in lengths],
+        "formula_kv_bytes_per_token": kv_bytes_per_token_formula(model, args.dtype, args.kv_cache_dtype),
+        **kv_capacity(model),
+        "lengths": [length_entry(n, cp, model, args, [single, equal, ranks], flop_setup) for n in lengths],
         "definitions": {"prefill_flop_efficiency": FLOP_DEFINITIONS},
     }
     emit(result, args)
@@ -204,22 +183,13 @@ def time_configs(model_dir: Path, cp, with_equal: bool, prompts: dict[int, list[
         return run_configs(model_dir, configs, prompts, args, args.repeats)
 
 
-def formula_texts(hf_config: dict, kv_cache_dtype: str = "auto") -> dict[str, str]:
-    if hf_config.get("model_type") == "deepseek_v4":
-        return {"kv_gather_formula": V4_GATHER_FORMULA, "kv_token_formula": V4_TOKEN_FORMULA}
-    if kv_cache_dtype == "fp8_e4m3":
-        return {"kv_gather_formula": FP8_GATHER_FORMULA, "kv_token_formula": FP8_TOKEN_FORMULA}
-    return {"kv_gather_formula": KV_GATHER_FORMULA, "kv_token_formula": KV_TOKEN_FORMULA}
+def kv_capacity(model) -> dict:
+    """Both KV formats side by side where the family's plan has them (MLA models): bytes per token, tokens per GiB
+    of cache, FP8's capacity gain."""
+    from model_workers.checkpoint.capacity import kv_tokens_that_fit
 
-
-def kv_capacity(hf_config: dict) -> dict:
-    """Both KV formats side by side (MLA models): bytes per token, tokens per GiB of cache, FP8's capacity gain."""
-    if hf_config.get("model_type") == "deepseek_v4":
-        return {}
-    from model_workers.models.dsa.capacity import kv_dtype_comparison
-    from model_workers.models.registry import parse_model_config
-
-    return {"kv_by_dtype": kv_dtype_comparison(parse_model_config(hf_config))}
+    plan = model.family.kv_plan(model.config, "bfloat16", 0, None, kv_tokens_that_fit)
+    return {"kv_by_dtype": plan["kv_by_dtype"]} if "kv_by_dtype" in plan else {}
 
 
 def emit(result: dict, args: argparse.Namespace) -> None:

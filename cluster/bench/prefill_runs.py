@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from cluster.engine_limits import prefill_chunk_tokens
-from cluster.engine_setup import collect, engine_over_workers, resolve_engine_spec
+from cluster.engine_setup import collect, engine_over_workers
+from cluster.engine_spec import resolve_engine_spec
 from cp_router.cp.balance import max_over_mean
 from cp_router.plans import StepResult
 from cp_router.protocol import EngineRequest
@@ -138,7 +139,7 @@ def run_configs(model_dir, configs: list[tuple], prompts: dict[int, list[int]], 
 
 def launch_config(model_dir, cp, threads: int, prompts: dict[int, list[int]], args, in_process: bool) -> Launched:
     """One config's workers and EngineOptions, the cache sized for the longest prompt."""
-    from cluster.engine_setup import EngineOptions
+    from cluster.engine_spec import EngineOptions
     from cp_router.cp.padding import ceil_div
 
     # speculation on (k = 1, which a one-token request never uses): the MTP layer is prefilled, as the FLOP count has it

@@ -8,7 +8,15 @@ from typing import get_args
 import torch
 
 from cluster.commands.aliases import add_speculative_aliases
-from cluster.config import MAX_SPECULATIVE_STEPS, CPImplName, CPStrategyName, DeviceName, DTypeName, KVCacheDTypeName
+from cluster.config import (
+    MAX_SPECULATIVE_STEPS,
+    AttentionBackendName,
+    CPImplName,
+    CPStrategyName,
+    DeviceName,
+    DTypeName,
+    KVCacheDTypeName,
+)
 from cluster.engine_limits import add_limit_arguments
 from cluster.http_api.reasoning import REASONING_PARSERS
 from cluster.http_api.tool_parsers import TOOL_CALL_PARSERS
@@ -47,6 +55,12 @@ def add_deterministic_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant ranks (SGLang's flag): a request's tokens and logprobs are bit-identical"
                              " whatever shares its batch, however it is chunked, whichever rank runs it (slower)")
+
+
+def add_attention_backend_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName), default="torch",
+                        help="the ranks' DSA kernel set (model_workers/kernels/registry.py): torch, the reference"
+                             " (CPU and CUDA)")
 
 
 def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:
@@ -95,6 +109,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     add_dtype_argument(parser, default=dtype_default)
     add_kv_cache_dtype_argument(parser)
     add_deterministic_argument(parser)
+    add_attention_backend_argument(parser)
     add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
     add_placement_argument(parser)
     add_limit_arguments(parser)

@@ -1,6 +1,7 @@
 """`dsa-serve generate`: complete prompts through the engine and print the results (text, or JSON lines).
 
-Without --cp-size the engine runs in this process (C = 1); with it, on a CP group of Ray actors.
+Without --cp-size, or with --cp-size 1 (and no --ep-size > 1), the engine and its one rank run in this process,
+without Ray (a Python where `import ray` fails runs it); with --cp-size C > 1, on a CP group of Ray actors.
 --n-requests N runs N requests concurrently (cycling over the prompts, seed + i for request i).
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from cluster.commands.args import (
     add_cp_arguments,
+    add_attention_backend_argument,
     add_deterministic_argument,
     add_dtype_argument,
     add_kv_cache_dtype_argument,
@@ -23,6 +25,7 @@ from cluster.commands.result_output import print_result, with_results_only_on_st
 from cluster.config import check_speculative_steps, resolve_cp_settings
 from cp_router.cp.padding import ceil_div
 from cp_router.protocol import EngineRequest
+from model_workers.spec import ModelSpec
 
 PAGE_SIZE = 64
 
@@ -52,6 +55,7 @@ def add_parser(commands) -> None:
     add_dtype_argument(parser, default="auto")
     add_kv_cache_dtype_argument(parser)
     add_deterministic_argument(parser)
+    add_attention_backend_argument(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_cp_arguments(parser)
@@ -114,38 +118,48 @@ def cli_requests(args: argparse.Namespace, prompts: list[list[int]]) -> list[Eng
     ]
 
 
-def run_generate(args: argparse.Namespace, model_dir: Path) -> list[dict]:
+def run_generate(args: argparse.Namespace, model: ModelSpec) -> list[dict]:
     """Prompts -> results through the engine: in this process (C = 1), or CP prefill across Ray ranks."""
-    from cluster.engine_setup import EngineOptions, run_all, start_engine, start_local_engine
-    from cluster.launch import engine_cpus, ray_session
-    from model_workers.model.config import load_model_config
+    from cluster.engine_setup import run_all, start_local_engine
+    from cluster.engine_spec import EngineOptions, LOCAL_CP
 
-    cp = resolve_cp_settings(args, model_dir) if args.cp_size is not None else None
-    config = load_model_config(model_dir)
-    requests = cli_requests(args, read_prompts(args, model_dir, config.vocab_size))
+    cp = resolve_cp_settings(args, model) if args.cp_size is not None else None
+    requests = cli_requests(args, read_prompts(args, model.path, model.config.vocab_size))
     k = args.speculative_num_steps
     num_pages = sum(ceil_div(len(r.prompt_token_ids) + r.max_tokens + k + 1, PAGE_SIZE) for r in requests) + 1
     options = EngineOptions(args.dtype, num_pages, PAGE_SIZE, k, use_gpu=str(args.device).startswith("cuda"),
                             kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
-                            speculative_token_map=args.speculative_token_map)
-    if cp is None:
-        return run_all(start_local_engine(model_dir, options), requests)
-    with ray_session(engine_cpus(cp.cp_size), args.ray_address):
-        engine, group = start_engine(model_dir, cp, options)
-        try:
-            results = run_all(engine, requests)
-        finally:
-            group.shutdown()
-    for result in results:
-        result.update(cp_size=cp.cp_size, cp_strategy=cp.strategy, cp_impl=cp.impl, ep_size=cp.ep_size)
+                            speculative_token_map=args.speculative_token_map,
+                            attention_backend=args.attention_backend)
+    if cp is not None and cp.cp_size > 1:
+        results = run_on_ray(args, model, cp, options, requests)
+    else:
+        results = run_all(start_local_engine(model, options, cp=cp or LOCAL_CP), requests)
+    if cp is not None:
+        for result in results:
+            result.update(cp_size=cp.cp_size, cp_strategy=cp.strategy, cp_impl=cp.impl, ep_size=cp.ep_size)
     return results
 
 
+def run_on_ray(args: argparse.Namespace, model: ModelSpec, cp, options, requests: list[EngineRequest]) -> list[dict]:
+    """The requests on a CP group of Ray actors (started for this command, or on --ray-address's cluster)."""
+    from cluster.engine_setup import run_all
+    from cluster.launch import engine_cpus, ray_session
+    from cluster.ray_engine import start_engine
+
+    with ray_session(engine_cpus(cp.cp_size), args.ray_address):
+        engine, group = start_engine(model, cp, options)
+        try:
+            return run_all(engine, requests)
+        finally:
+            group.shutdown()
+
+
 def run(args: argparse.Namespace) -> int:
-    from model_workers.checkpoint.model_dir import resolve_model_dir
+    from model_workers.checkpoint.model_dir import read_model_spec
 
     check_arguments(args)
-    results = run_generate(args, resolve_model_dir(args.model))
+    results = run_generate(args, read_model_spec(args.model))  # config.json read once, here
     for result in results:
         print_result(json.dumps(result) if args.json else str(result.get("text") or result["token_ids"]))
     return 0

@@ -19,7 +19,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--ep-size", type=int, required=True,
                         help="expert-parallel size: 1 (experts replicated) or the CP size (experts sharded)")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDTypeName), default="auto",
-                        help="KV cache format: auto (= bfloat16), bfloat16, fp8_e4m3 (DESIGN §10 layout); both"
+                        help="KV cache format: auto (= bfloat16), bfloat16, fp8_e4m3 (docs/kv_cache.md's FP8 layout); both"
                              " bfloat16 and fp8_e4m3 are reported side by side")
     parser.add_argument("--device-memory-gib", type=float, default=None,
                         help="memory of one device in GiB (141 for an H200): adds kv_tokens_that_fit")

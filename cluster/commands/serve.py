@@ -73,7 +73,8 @@ def app_args(args: argparse.Namespace):
     names = ("model", "chat_template", "served_model_name", "reasoning_parser", "tool_call_parser",
              "enable_auto_tool_choice", "cp_size", "cp_strategy", "cp_impl", "ep_size", "speculative_num_steps",
              "speculative_token_map",
-             "dtype", "kv_cache_dtype", "device", "engine_placement", "enable_deterministic_inference")
+             "dtype", "kv_cache_dtype", "device", "engine_placement", "enable_deterministic_inference",
+             "attention_backend")
     fields = {name: getattr(args, name) for name in names}
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
         fields["drain_timeout_s"] = args.drain_timeout_s
@@ -140,22 +141,18 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     from ray import serve
 
-    from cluster.config import resolve_cp_settings
-    from cluster.engine_setup import check_options_for_model
     from cluster.launch import engine_cpus, start_ray
-    from cluster.serve_app import APP_NAME, build_application, engine_options
-    from model_workers.checkpoint.model_dir import resolve_model_dir
-    from model_workers.comm import free_port
+    from cluster.replica_engine import serve_engine_spec
+    from cluster.serve_app import APP_NAME, build_application
     from model_workers.checkpoint.tokenizer import read_chat_template
+    from model_workers.comm import free_port
 
     # Ctrl-C must stop the server even when this process inherited SIGINT as ignored (a parent that
     # ignores it, e.g. some launchers and test runners): Python then installs no KeyboardInterrupt handler.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = app_args(args)
-    model_dir = resolve_model_dir(settings.model)
-    cp = resolve_cp_settings(settings, model_dir)  # CP flags checked against the model before Ray starts
-    check_options_for_model(model_dir, cp, engine_options(settings, model_dir))
-    read_chat_template(model_dir, settings.chat_template)  # a bad --chat-template fails here, before Ray starts
+    model = serve_engine_spec(settings).model  # the flags checked against the model before Ray starts
+    read_chat_template(model.path, settings.chat_template, model.config.model_type)  # a bad --chat-template too
     started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
     try:
         direct = settings.direct_ingress_port is not None
@@ -163,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": serve_port})
         serve.run(build_application(settings, args.replicas), name=APP_NAME, route_prefix="/")
         via = f" (direct ingress; Serve's proxy on port {serve_port})" if direct else " (through Serve's proxy)"
-        print(f"dsa-serve: serving {model_dir.name} (cp_size={settings.cp_size}, replicas={args.replicas}) on "
+        print(f"dsa-serve: serving {model.name} (cp_size={settings.cp_size}, replicas={args.replicas}) on "
               f"http://{args.host}:{args.port}/v1{via}; Ctrl-C stops", flush=True)
         drain(serve, settings, wait_for_stop())
     except KeyboardInterrupt:

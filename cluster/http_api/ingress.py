@@ -1,4 +1,4 @@
-"""The HTTP ingress: an OpenAI-style FastAPI app over an `EngineClient` (see cluster/engine_protocol.py).
+"""The HTTP ingress: an OpenAI-style FastAPI app over an `EngineClient` (see cp_router/protocol.py).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (404 unless the checkpoint has a chat template),
 GET /v1/models, GET /health, GET /metrics, GET /openapi.json (openapi_schema.py), and utility_routes.py's

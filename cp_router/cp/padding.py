@@ -1,4 +1,4 @@
-"""Padding arithmetic of CP prefill (DESIGN.md section 5).
+"""Padding arithmetic of CP prefill (docs/architecture.md, 'Two implementations: legacy and v2').
 
 Pure integer/tensor helpers: row padding at a shard's tail, the per-rank
 physical row counts of the two implementations, the DP padding mode and

@@ -1,4 +1,4 @@
-"""CP strategies: which tokens of a batch each CP rank owns (DESIGN.md section 4).
+"""CP strategies: which tokens of a batch each CP rank owns (docs/architecture.md, 'CP strategies and their layouts').
 
 A batch is a flattened token stream of N = sum(extend_lens) tokens, request
 after request. A strategy describes a rank's share as `Segment`s in local

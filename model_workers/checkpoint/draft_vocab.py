@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from model_workers.model.draft_vocab import check_token_ids
+from model_workers.models.common.draft_vocab import check_token_ids
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 TOKEN_MAP_AUTO, TOKEN_MAP_NONE = "auto", "none"

@@ -2,7 +2,7 @@
 
 Only the keys that mean the same here are read: temperature, top_p, top_k, min_p, repetition_penalty. A
 request that sets a field keeps its own value; `eos_token_id` is merged into the model's stop ids by
-model/config.py.
+checkpoint/model_dir.py (`with_generation_eos`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from model_workers.model.config import GENERATION_CONFIG
+from model_workers.checkpoint.model_dir import GENERATION_CONFIG
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 

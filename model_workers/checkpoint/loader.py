@@ -1,5 +1,5 @@
-"""Load a Hugging Face DSA checkpoint (config.json + safetensors, sharded or not) into `DSAForCausalLM` or, for
-`model_type: deepseek_v4`, `DeepseekV4ForCausalLM` (its names and FP4 experts: v4_names.py).
+"""Load a Hugging Face checkpoint (config.json + safetensors, sharded or not) into its family's model: the family
+builds the model and maps the stored names onto it (model_workers/models/); this module streams the tensors.
 
 Streams tensor by tensor (never unpickles), stacks per-expert weights, dequantizes DeepSeek FP8
 block-quantized weights to the compute dtype, and fails with one line naming any missing, unexpected
@@ -10,7 +10,6 @@ other experts' tensors are never read, and a fused expert tensor is read as the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -21,15 +20,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from model_workers.checkpoint.v4_names import count_v4_mtp_layers, dequantize_fp4, module_name
+from model_workers.checkpoint.model_dir import read_model_spec
+from model_workers.checkpoint.quantized import dequantize_fp4, dequantize_fp8_blocks
 from model_workers.checkpoint.weight_classes import expert_of, is_fused_experts, owned_experts, weight_class
-from model_workers.model.config import ModelConfig, load_model_config
-from model_workers.model.decoder import DSAForCausalLM
-from model_workers.model.v4_config import V4Config
-from model_workers.model.v4_model import DeepseekV4ForCausalLM
+from model_workers.spec import ModelSpec
 
-FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight",
-                       "sinks", "position_bias", "hc.fn", "hc.base", "hc.scale", "hc_fn", "hc_base", "hc_scale")
 Entries = dict  # our tensor name -> (safetensors file, the name stored there)
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -54,23 +49,6 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return mapping
 
 
-def count_mtp_layers(config: ModelConfig, names: set[str]) -> int:
-    count = 0
-    while f"model.layers.{config.num_hidden_layers + count}.eh_proj.weight" in names:
-        count += 1
-    return count
-
-
-def mtp_layout(config: ModelConfig, names: set[str], count: int) -> list[tuple[bool, bool]]:
-    layout = []
-    for j in range(count):
-        prefix = f"model.layers.{config.num_hidden_layers + j}."
-        sparse = any(n.startswith(prefix + "mlp.gate.") for n in names)
-        own_head = prefix + "shared_head.head.weight" in names
-        layout.append((sparse, own_head))
-    return layout
-
-
 @dataclass
 class LoadReport:
     """What one process read from the checkpoint: stored bytes per checkpoint tensor (scales included)."""
@@ -91,62 +69,49 @@ class LoadReport:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True,
-    ep_rank: int = 0, ep_size: int = 1,
-) -> DSAForCausalLM:
-    return load_model_with_report(model_dir, dtype, device, progress, ep_rank, ep_size)[0]
+    model: ModelSpec | str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    progress: bool = True, ep_rank: int = 0, ep_size: int = 1,
+):
+    return load_model_with_report(model, dtype, device, progress, ep_rank, ep_size)[0]
 
 
 def load_model_with_report(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True,
-    ep_rank: int = 0, ep_size: int = 1, on_read: Callable[[int], None] | None = None,
-) -> tuple[DSAForCausalLM, LoadReport]:
+    model: ModelSpec | str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    progress: bool = True, ep_rank: int = 0, ep_size: int = 1, on_read: Callable[[int], None] | None = None,
+):
     """The model of expert-parallel rank `ep_rank` of `ep_size` (all experts when ep_size = 1), and what it read;
+    `model`: a `ModelSpec` (a rank: config.json already read at the edge) or a checkpoint folder (read here);
     `on_read(nbytes)` after each checkpoint tensor read (load progress)."""
-    model_dir = Path(model_dir)
-    config = load_model_config(model_dir)
+    spec = model if isinstance(model, ModelSpec) else read_model_spec(model)
+    family, config = spec.family, spec.config
     experts = owned_experts(config.n_routed_experts, ep_rank, ep_size)
-    files = checkpoint_files(model_dir)
-    names = set(files)
-    if isinstance(config, V4Config):
-        entries = {}
-        for name, file in files.items():
-            ours = module_name(name, config.num_hidden_layers)
-            if ours is not None:
-                entries[ours] = (file, name)
-        num_mtp = count_v4_mtp_layers(names, config.num_hidden_layers)
-        config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp)
-        with torch.device("meta"):
-            model = DeepseekV4ForCausalLM(config, num_mtp, expert_ids=experts)
-    else:
-        entries = {name: (file, name) for name, file in files.items()}
-        num_mtp = count_mtp_layers(config, names)
-        config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp)
-        with torch.device("meta"):
-            model = DSAForCausalLM(config, mtp_layout(config, names, num_mtp), expert_ids=experts)
-    model.to_empty(device=device)
-    params = _target_tensors(model, dtype)
+    files = checkpoint_files(spec.path)
+    entries = family.checkpoint_entries(config, files)
+    with torch.device("meta"):
+        built, config = family.build_model(config, set(files), experts)
+    built.to_empty(device=device)
+    params = _target_tensors(built, dtype, family.fp32_param_suffixes)
     report = LoadReport(config.num_hidden_layers)
     _fill(params, entries, config, experts, report, progress, on_read)
-    model.eval().requires_grad_(False)
-    return model, report
+    built.eval().requires_grad_(False)
+    return built, report
 
 
-def _target_tensors(model: DSAForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _target_tensors(model: torch.nn.Module, dtype: torch.dtype, fp32_suffixes: tuple[str, ...]) -> dict:
     """Every parameter and buffer by checkpoint name, cast to its load dtype (fp32 where the reference keeps it)."""
     targets = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if not tensor.is_floating_point():  # tid2eid
             targets[name] = tensor
             continue
-        wanted = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+        wanted = torch.float32 if name.endswith(fp32_suffixes) else dtype
         if tensor.dtype != wanted:
             tensor.data = tensor.data.to(wanted)
         targets[name] = tensor
     return targets
 
 
-def _fill(targets, entries: Entries, config: ModelConfig | V4Config, experts: range, report: LoadReport,
+def _fill(targets, entries: Entries, config, experts: range, report: LoadReport,
           progress: bool, on_read: Callable[[int], None] | None = None) -> None:
     loaded: set[str] = set()
     skip = _ignorable(config, set(entries))
@@ -175,7 +140,7 @@ def _fill(targets, entries: Entries, config: ModelConfig | V4Config, experts: ra
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]}")
 
 
-def _ignorable(config: ModelConfig | V4Config, names: set[str]) -> set[str]:
+def _ignorable(config, names: set[str]) -> set[str]:
     """Tensors that are legitimately redundant: a tied lm_head, MTP copies of the shared embedding/head."""
     skip = {n for n in names if re.fullmatch(r"model\.layers\.\d+\.embed_tokens\.weight", n)}
     if config.tie_word_embeddings:
@@ -207,13 +172,6 @@ def _read(handle, name: str, entries: Entries, config, experts: range, report: L
     if fused:  # [E_local, out, in] with scales [E_local, out/b0, in/b1]
         return torch.stack([dequantize_fp8_blocks(w, s, config.fp8_block_size) for w, s in zip(tensor, scale)])
     return dequantize_fp8_blocks(tensor, scale, config.fp8_block_size)
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight [out, in] fp8, scale_inv [ceil(out/b0), ceil(in/b1)] -> float32 weight · per-block scale."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * scale
 
 
 def _pieces(target_name: str, target: torch.Tensor) -> set[str]:

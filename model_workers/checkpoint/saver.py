@@ -1,4 +1,4 @@
-"""Write a `DSAForCausalLM` as a Hugging Face checkpoint: per-expert tensors, as released checkpoints have them."""
+"""Write a model as a Hugging Face checkpoint: per-expert tensors, as released checkpoints have them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model_workers.model.decoder import DSAForCausalLM
+from torch import nn
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def checkpoint_tensors(model: DSAForCausalLM, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint name -> tensor; stacked experts are split back into experts.{e}.{gate,up,down}_proj.weight."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -37,7 +37,7 @@ def checkpoint_tensors(model: DSAForCausalLM, dtype: torch.dtype | None = None) 
     return out
 
 
-def save_checkpoint(model: DSAForCausalLM, config_json: dict, out_dir: str | Path, dtype=None) -> Path:
+def save_checkpoint(model: nn.Module, config_json: dict, out_dir: str | Path, dtype=None) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(checkpoint_tensors(model, dtype), out_dir / "model.safetensors", metadata={"format": "pt"})
@@ -45,7 +45,7 @@ def save_checkpoint(model: DSAForCausalLM, config_json: dict, out_dir: str | Pat
     return out_dir
 
 
-def init_weights(model: DSAForCausalLM, std: float = 0.02, seed: int = 0) -> None:
+def init_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
     """Fresh weights for training: normal(0, std) matrices, unit norms, zero biases and routing bias."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -14,6 +14,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from model_workers.checkpoint.model_dir import CONFIG_FILE, read_config_json
+
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # model_type -> the special tokens its built-in encoding writes (cluster/http_api/deepseek_encoding.py renders it);
 # a tokenizer without them is not that chat model's, and gets no chat template
@@ -68,10 +70,11 @@ def _default_template(source: Any, path: Path) -> str:
     raise ValueError(f"{path}: chat_template must be a string or a list with a 'default' entry")
 
 
-def read_chat_template(model_dir: str | Path, template_file: str | Path | None = None) -> ChatTemplateSource | None:
+def read_chat_template(model_dir: str | Path, template_file: str | Path | None = None,
+                       model_type: str | None = None) -> ChatTemplateSource | None:
     """The chat template, first found of: `template_file` (--chat-template), `chat_template.jinja` in the folder,
     tokenizer_config.json's `chat_template`, the built-in encoding of the model type (DeepSeek-V3.2 ships its
-    encoding as code); None when there is none."""
+    encoding as code; `model_type` as the engine spec resolved it, else config.json's); None when there is none."""
     path = Path(model_dir) / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     special = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
@@ -83,19 +86,20 @@ def read_chat_template(model_dir: str | Path, template_file: str | Path | None =
         return ChatTemplateSource((Path(model_dir) / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), special)
     if config.get("chat_template") is not None:
         return ChatTemplateSource(_default_template(config["chat_template"], path), special)
-    model_config = Path(model_dir) / "config.json"
-    model_type = json.loads(model_config.read_text()).get("model_type") if model_config.is_file() else None
+    if model_type is None and (Path(model_dir) / CONFIG_FILE).is_file():
+        model_type = read_config_json(Path(model_dir)).get("model_type")
     return ChatTemplateSource("", special, builtin=model_type) if model_type in BUILTIN_ENCODINGS else None
 
 
-def load_checkpoint_text(model_dir: str | Path | None, chat_template_file: str | Path | None = None) -> CheckpointText:
+def load_checkpoint_text(model_dir: str | Path | None, chat_template_file: str | Path | None = None,
+                         model_type: str | None = None) -> CheckpointText:
     """Tokenizer and chat template of a checkpoint folder (None: a server of token-id prompts only);
-    `chat_template_file` replaces the folder's template."""
+    `chat_template_file` replaces the folder's template; `model_type`: the engine spec's (else read if needed)."""
     if model_dir is None:
         return CheckpointText(None, None)
     if not Path(model_dir).is_dir():
         raise ValueError(f"model_dir: {model_dir} is not a folder")
-    tokenizer, template = load_tokenizer(model_dir), read_chat_template(model_dir, chat_template_file)
+    tokenizer, template = load_tokenizer(model_dir), read_chat_template(model_dir, chat_template_file, model_type)
     if template is not None and template.builtin is not None and not has_tokens(tokenizer, template.builtin):
         template = None
     return CheckpointText(tokenizer, template)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Iterable
 
 WEIGHT_CLASSES = ("attention", "dense_mlp", "router", "shared_experts", "routed_experts", "embeddings", "mtp")
@@ -99,3 +100,23 @@ def stored_tensor_bytes(name: str, shape: Iterable[int], config_dtype: str = "bf
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"config.json torch_dtype={config_dtype!r} is not supported; allowed: {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype] * numel
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor a checkpoint stores, as the capacity plan counts it (a family's `checkpoint_tensors`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    weight_class: str  # one of WEIGHT_CLASSES
+    expert: int | None  # the routed expert, None for replicated tensors
+    stored_bytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def checkpoint_dtype(raw: dict) -> str:
+    """config.json's `torch_dtype` (or `dtype`) as the plan counts it: bfloat16 when absent."""
+    return raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from cp_router.pages import pages_for
 from cp_router.sampling import SamplingParams
-from model_workers.model.decoder import DSAForCausalLM
+from model_workers.models.dsa.model import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.sampler import sample
 from model_workers.training.recipe import sample_windows, window_inputs

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_workers.model.decoder import DSAForCausalLM
+from model_workers.models.dsa.model import DSAForCausalLM
 from model_workers.training.train_backend import TrainingBackend
 
 

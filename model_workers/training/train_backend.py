@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from model_workers.model.sparse_ops import sparse_mla_attention
+from model_workers.kernels.torch.sparse_mla import sparse_mla_attention
 
 
 class TrainingBackend:

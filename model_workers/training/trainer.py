@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from model_workers.checkpoint.draft_vocab import save_draft_vocab
 from model_workers.checkpoint.saver import init_weights, save_checkpoint
-from model_workers.model.config import parse_model_config
-from model_workers.model.decoder import DSAForCausalLM
-from model_workers.model.layers import MoEGate
+from model_workers.models.registry import parse_model_config
+from model_workers.models.dsa.model import DSAForCausalLM
+from model_workers.models.dsa.moe import MoEGate
 from model_workers.training.corpus import EOS_TOKEN, save_tokenizer, stdlib_files, token_stream, train_tokenizer
 from model_workers.training.recipe import Recipe, batch_losses, most_frequent_tokens, sample_windows, tiny_config_json
 

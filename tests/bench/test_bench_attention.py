@@ -8,8 +8,9 @@ import torch
 
 from cluster.bench.attention import crossover_length
 from cluster.cli import main
-from model_workers.model.dense_ops import dense_causal_mla_attention
-from model_workers.model.sparse_ops import causal_topk, sparse_mla_attention
+from model_workers.kernels.torch.dense_mla import dense_causal_mla_attention
+from model_workers.kernels.torch.sparse_mla import sparse_mla_attention
+from model_workers.kernels.torch.topk import causal_topk
 
 RUN_KEYS = {"length", "sparse_s", "sparse_indexer_s", "sparse_attention_s", "dense_s", "dense_over_sparse"}
 

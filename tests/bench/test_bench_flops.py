@@ -8,14 +8,8 @@ import json
 import pytest
 import torch
 
-from cluster.bench.flops import (
-    causal_pairs,
-    checkpoint_flop_config,
-    flop_efficiency,
-    gemm_flops_per_s,
-    prefill_flops,
-    sparse_keys,
-)
+from cluster.bench.flops import checkpoint_flop_config, flop_efficiency, gemm_flops_per_s
+from model_workers.models.dsa.flops import causal_pairs, prefill_flops, sparse_keys
 from benchmarks.cli import main
 from model_workers.models.registry import parse_model_config
 

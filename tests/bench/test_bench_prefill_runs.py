@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 import cluster.bench.prefill_runs as prefill_runs
-from cluster.engine_setup import EngineOptions
+from cluster.engine_spec import EngineOptions
 
 
 def test_configs_take_turns_and_each_keeps_its_median(monkeypatch):

@@ -29,7 +29,7 @@ from cluster.bench.load import (
 from benchmarks.transformers_baseline import run_baseline
 from cluster.bench.serve_result import assemble_run, plot, summary_text
 from cluster.cli import main as cli_main
-from cluster.engine_setup import EngineOptions
+from cluster.engine_spec import EngineOptions
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
 from cp_router.protocol import EngineRequest

@@ -81,7 +81,7 @@ def test_vllm_tool_and_reasoning_flags_reach_the_ingress(capsys):
 
 
 def test_deterministic_inference_flag_reaches_the_engine_options():
-    from cluster.serve_app import engine_options
+    from cluster.replica_engine import engine_options
 
     got = settings(["serve", "--enable-deterministic-inference"])
     assert got.enable_deterministic_inference and engine_options(got, resolve_model_dir(None)).deterministic

@@ -1,4 +1,4 @@
-"""DESIGN.md section 5 "Which implementation runs": one table row per rule and per error."""
+"""docs/architecture.md, 'Which implementation runs': one table row per rule and per error."""
 
 from typing import get_args
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from cluster.bench.flops import prefill_flops
+from model_workers.models.dsa.flops import prefill_flops
 from cluster.cli import main
-from model_workers.model.config import parse_model_config
+from model_workers.models.registry import parse_model_config
 
 PROMPT = [5, 17, 99, 3, 64, 23, 8, 41, 77, 12, 90]  # 11 tokens: odd, not divisible by 2C
 
@@ -43,7 +43,7 @@ def test_bench_prefill_reports_scaling_bytes_phases_and_memory_per_length(comman
     _, folder, _, bench = commands
     config = json.loads((folder / "config.json").read_text())
     c_kv, rope, index = config["kv_lora_rank"], config["qk_rope_head_dim"], config["index_head_dim"]
-    per_token = (c_kv + 4 * -(-c_kv // 128) + 2 * rope) + (index + 4 * -(-index // 128))  # FP8 rows (DESIGN §10)
+    per_token = (c_kv + 4 * -(-c_kv // 128) + 2 * rope) + (index + 4 * -(-index // 128))  # FP8 rows (docs/kv_cache.md)
     assert bench["kv_cache_dtype"] == "fp8_e4m3" and "ceil(kv_lora_rank/128)" in bench["kv_token_formula"]
     assert bench["formula_kv_bytes_per_token"] == 4 * per_token  # 3 target layers + 1 MTP layer
     bf16, fp8 = bench["kv_by_dtype"]["bfloat16"], bench["kv_by_dtype"]["fp8_e4m3"]

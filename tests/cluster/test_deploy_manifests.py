@@ -175,7 +175,8 @@ def test_app_built_without_a_config_file_admits_more_than_serves_default_five():
 
 
 def test_colocated_placement_is_one_server_deployment_holding_the_cp_group():
-    from cluster.serve_app import SERVER_DEPLOYMENT, build_application, engine_bundles, validate_args
+    from cluster.replica_engine import engine_bundles
+    from cluster.serve_app import SERVER_DEPLOYMENT, build_application, validate_args
 
     args = validate_args({"engine_placement": "colocated", "cp_size": 3})
     server = build_application(args, engine_replicas=2)._bound_deployment
@@ -187,7 +188,8 @@ def test_colocated_placement_is_one_server_deployment_holding_the_cp_group():
 
 
 def test_kv_cache_dtype_from_the_serve_yaml_reaches_the_engine_options():
-    from cluster.serve_app import engine_options, validate_args
+    from cluster.replica_engine import engine_options
+    from cluster.serve_app import validate_args
     from model_workers.checkpoint.model_dir import resolve_model_dir
 
     model_dir = resolve_model_dir(None)

@@ -1,7 +1,7 @@
 """Drain end to end, on a Ray head started the way KubeRay starts one (`ray start --head --block`) with
 `dsa-serve serve --ray-address` on it (CPU, C = 2, the default model; one cluster and one server for the module):
 
-* KubeRay's probe commands (v1.7.0, the CRD in /work/shared/schemas) pass against the head and its Serve proxy;
+* KubeRay's probe commands (v1.7.0's RayService CRD) pass against the head and its Serve proxy;
 * a Serve redeploy while streams run: Serve's rolling update stops the old replicas only once their streams end;
 * SIGTERM to `dsa-serve serve` while streams run: they finish, new requests get 503 + Retry-After, exit 0.
 """

@@ -12,7 +12,8 @@ import torch
 from ray.cluster_utils import Cluster
 
 from cluster.config import ResolvedCPConfig
-from cluster.engine_setup import EngineOptions, engine_over_workers
+from cluster.engine_setup import engine_over_workers
+from cluster.engine_spec import EngineOptions, resolve_engine_spec
 from cluster.launch import launch_group
 from cluster.rank_repair import RayRankRepair
 from cp_router.protocol import EngineRequest
@@ -68,7 +69,8 @@ def test_cp_across_two_nodes_equals_one_rank_and_survives_losing_the_second_node
     try:
         nodes = [node_of(w) for w in group.workers]
         assert len(set(nodes)) == 2 and second.node_id in nodes
-        engine = engine_over_workers(MODEL, CP, options(), group.workers, repair=RayRankRepair(group.launch))
+        engine = engine_over_workers(resolve_engine_spec(MODEL, CP, options()), group.workers,
+                                     repair=RayRankRepair(group.launch))
         assert outcomes(engine, REQUESTS) == alone
         removed = act_after_steps(engine, 3, lambda: cluster.remove_node(second) or os.getpid())
         assert outcomes(engine, REQUESTS) == alone

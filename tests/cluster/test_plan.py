@@ -12,18 +12,12 @@ import pytest
 import torch
 
 from cluster import cli
-from model_workers.checkpoint.capacity import (
-    checkpoint_tensor_list,
-    kv_bytes_per_token,
-    kv_tokens_that_fit,
-    param_counts,
-    plan,
-    rank_bytes,
-)
+from model_workers.checkpoint.capacity import kv_tokens_that_fit, param_counts, plan, rank_bytes
+from model_workers.models.dsa.capacity import checkpoint_tensor_list, kv_bytes_per_token
 from model_workers.checkpoint.weight_classes import stored_tensor_bytes
-from model_workers.kv_cache import PagedKVCache
-from model_workers.kv_format import PlainRows
-from model_workers.model.config import parse_model_config
+from model_workers.models.dsa.cache import PagedKVCache
+from model_workers.kernels.torch.fp8_rows import PlainRows
+from model_workers.models.registry import parse_model_config
 from support.tiny_models import BASE, SHAPES, reference_model, save_reference
 
 TINY = {**BASE, "model_type": "deepseek_v32", "num_nextn_predict_layers": 1}
@@ -217,6 +211,6 @@ def test_released_shapes(name, target, target_routed, kv_bf16, kv_fp8):
     everything = rank_bytes(tensors, 256, 0, 1)
     assert len(set(per_rank)) == 1 and everything["weight_bytes"] == sum(t.stored_bytes for t in tensors)
     assert per_rank[0] == everything["replicated_bytes"] + everything["routed_bytes"] // 8
-    if name == "DeepseekV32Config":  # DESIGN §9: about 100 GB per rank at EP = 8, about 670 GB at EP = 1
+    if name == "DeepseekV32Config":  # docs/capacity.md: 105.4 GB per rank at EP = 8, 687.6 GB at EP = 1
         assert 100e9 < per_rank[0] < 110e9 and 660e9 < everything["weight_bytes"] < 700e9
     assert (kv_bytes_per_token(config, "bfloat16"), kv_bytes_per_token(config, "fp8_e4m3")) == (kv_bf16, kv_fp8)

@@ -39,7 +39,7 @@ def test_kv_bytes_per_token_follow_the_compressed_entries(quantized):
 
 
 def flash_config() -> dict:
-    """DeepSeek-V4-Flash's released config.json values (../shared/deepseek_v4.md section 1.1)."""
+    """DeepSeek-V4-Flash's released config.json values (docs/models.md, 'Configuration')."""
     return dict(
         model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
         num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
@@ -61,5 +61,5 @@ def test_v4_flash_plan_counts_its_284b_parameters_and_its_kv(tmp_path):
     assert out["params"]["target_model"] == pytest.approx(284e9, rel=0.005)  # the published 284 B
     assert out["kv"]["layer_types"] == {"compressed_sparse_attention": 21, "heavily_compressed_attention": 20,
                                         "sliding_attention": 2}
-    assert out["kv_bytes_per_token"] == 2 * 3440  # deepseek_v4.md 3.1: 21 × 640 / 4 + 20 × 512 / 128 values
+    assert out["kv_bytes_per_token"] == 2 * 3440  # docs/models.md, 'Cache': 21 × 640 / 4 + 20 × 512 / 128 values
     assert out["max_rank_weight_bytes"] < out["total_checkpoint_bytes"] / 5 and out["weights_fit"]

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli import main as cli_main
 from cluster.serve_app import app as app_builder
-from cluster.serve_app import engine_bundles
+from cluster.replica_engine import engine_bundles
 from cluster.serve_settings import ServeAppArgs
 from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
                                    wait_until_ready)

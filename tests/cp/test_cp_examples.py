@@ -1,4 +1,5 @@
-"""Every worked example of DESIGN.md sections 4-5, plus the padding / DP rules and the error paths."""
+"""Every worked example of docs/architecture.md, 'CP strategies and their layouts' and
+'Two implementations: legacy and v2', plus the padding / DP rules and the error paths."""
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
-"""Property tests of DESIGN.md section 7, invariants 1, 2, 3 and 5, and of the causal key ranges.
+"""Property tests of docs/architecture.md, 'Invariants', 1, 2, 3 and 5, and of the causal key ranges.
 
-Oracles are naive python re-derivations of DESIGN.md section 4, independent of cp_router's code.
+Oracles are naive python re-derivations of docs/architecture.md, 'CP strategies and their layouts',
+independent of cp_router's code.
 """
 
 import torch
@@ -49,7 +50,7 @@ def global_tensors(draw, num_tokens):
 
 
 def reference_layout(extend_lens, cp_size, strategy):
-    """C lists of stream indices, straight from DESIGN.md section 4."""
+    """C lists of stream indices, straight from docs/architecture.md, 'CP strategies and their layouts'."""
     num_tokens = sum(extend_lens)
     if strategy == "interleave":
         return [[i for i in range(num_tokens) if i % cp_size == r] for r in range(cp_size)]
@@ -97,7 +98,7 @@ def test_round_trip_bit_exact_with_equal_collective_sizes(batch, data):
 @SETTINGS
 @given(batch=cp_batches(), data=st.data())
 def test_shards_partition_the_stream_with_zero_tail_padding(batch, data):
-    """Invariant 2, and the layout is exactly DESIGN.md's."""
+    """Invariant 2, and the layout is exactly the architecture page's."""
     cp_size, strategy, impl, extend_lens, prefix_lens = batch
     meta = build_cp_metadata(extend_lens, prefix_lens, cp_size, strategy, impl)
     assert [t.tolist() for t in meta.local_to_global] == reference_layout(extend_lens, cp_size, strategy)

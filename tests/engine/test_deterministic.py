@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from cluster.config import ResolvedCPConfig
-from cluster.engine_setup import EngineOptions, engine_over_workers
+from cluster.engine_setup import engine_over_workers
+from cluster.engine_spec import EngineOptions, resolve_engine_spec
 from cluster.launch import engine_cpus, launch_group, start_ray
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
-from model_workers.model.batch_invariant import BatchInvariantMode
-from model_workers.model.sparse_ops import earliest_topk
+from model_workers.kernels.torch.batch_invariant import BatchInvariantMode
+from model_workers.kernels.torch.topk import earliest_topk
 from model_workers.runner import ExtendItem, ModelRunner
 from support.cp_cluster import cache_rows
 from support.engines import local_engine
@@ -83,7 +84,7 @@ def test_c1_batch_and_chunking_change_no_bit(alone, budget, batch):
 
 
 def test_c1_in_float32_too():
-    """float32 products are the ones whose bits depend on the row count (batch_invariant.py)."""
+    """float32 products are the ones whose bits depend on the row count (kernels/torch/batch_invariant.py)."""
     alone32 = outcome(local_engine(MODEL, options(dtype="float32", prefill_token_budget=2048)), [TARGET])
     engine = local_engine(MODEL, options(dtype="float32", prefill_token_budget=256))
     assert outcome(engine, [*OTHERS[:8], TARGET, *OTHERS[8:]]) == alone32
@@ -147,7 +148,8 @@ def test_cp_and_ep_give_the_bits_of_one_rank_whichever_rank_owns_it(alone, group
     cp = ResolvedCPConfig(True, 2, strategy, "legacy", ep_size=ep_size)
     owners = set()
     for requests, budget in (([TARGET], 2048), ([OTHERS[0], TARGET, *OTHERS[1:]], 256)):
-        engine = engine_over_workers(MODEL, cp, options(prefill_token_budget=budget), groups[ep_size].workers)
+        engine = engine_over_workers(resolve_engine_spec(MODEL, cp, options(prefill_token_budget=budget)),
+                                     groups[ep_size].workers)
         engine.add_step_observer(lambda step, results: owners.update(
             o for p, o in zip(step.prefill.pieces, step.prefill.owners) if p.request_id == "target")
             if step.prefill is not None else None)

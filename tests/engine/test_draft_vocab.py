@@ -7,10 +7,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cluster.engine_setup import EngineOptions, run_all
+from cluster.engine_setup import run_all
+from cluster.engine_spec import EngineOptions
 from cluster.serve_settings import ServeAppArgs
 from model_workers.checkpoint.draft_vocab import read_token_map, resolve_token_map
-from model_workers.model.draft_vocab import NOT_DRAFTED, DraftVocab
+from model_workers.models.common.draft_vocab import NOT_DRAFTED, DraftVocab
 from model_workers.training.recipe import most_frequent_tokens
 from support.engines import local_engine, make_requests
 

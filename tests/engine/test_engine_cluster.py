@@ -7,11 +7,12 @@ import pytest
 import ray
 
 from cluster.config import ResolvedCPConfig
-from cluster.engine_setup import EngineOptions, engine_over_workers, run_all
+from cluster.engine_setup import engine_over_workers, run_all
+from cluster.engine_spec import EngineOptions, resolve_engine_spec
 from cluster.launch import engine_cpus, launch_group, start_ray
 from cp_router.engine import GenerationEngine
-from model_workers.checkpoint.model_dir import resolve_model_dir
-from model_workers.model.config import load_model_config
+from model_workers.checkpoint.model_dir import load_model_config, read_model_spec, resolve_model_dir
+from model_workers.spec import RankSpec
 from support.engines import local_engine, make_requests
 
 CP = ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
@@ -27,11 +28,12 @@ class Group:
         """An engine over the group's workers (checkpoint reloaded when another is asked); its scheduler may
         use fewer pages than the ranks' caches hold."""
         if folder != self.folder:
-            ray.get([w.load.remote(str(folder), "float32", NUM_PAGES, PAGE_SIZE) for w in self.launched.workers])
+            rank = RankSpec(read_model_spec(folder), "float32", NUM_PAGES, PAGE_SIZE)
+            ray.get([w.load.remote(rank) for w in self.launched.workers])
             self.folder = folder
         options = EngineOptions(num_speculative_steps=k, num_pages=num_pages, page_size=PAGE_SIZE,
                                 prefill_token_budget=BUDGET, cp_min_prefill_tokens=cp_min)
-        return engine_over_workers(folder, CP, options, self.launched.workers)
+        return engine_over_workers(resolve_engine_spec(folder, CP, options), self.launched.workers)
 
     def held(self) -> list[list[str]]:
         """The requests whose state each rank still keeps."""

@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 
-from cluster.engine_setup import EngineOptions, collect, run_all
+from cluster.engine_setup import collect, run_all
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
-from model_workers.backends.shared_topk import SharedTopkBackend
+from model_workers.models.dsa.backend import DSABackend
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine, make_requests
 
@@ -151,13 +152,13 @@ def shared_index_model(random_mtp, tmp_path_factory):
 
 def test_mtp_index_sharing_reuses_topk_and_stays_lossless(shared_index_model, monkeypatch):
     reused = []
-    select = SharedTopkBackend.select_topk
+    select = DSABackend.select_topk
 
     def spy(self, layer_id, *args):
-        reused.append(layer_id == self.layer_id and self.reuse is not None)
+        reused.append(self.topk_memo is not None and self.topk_memo.replaces(layer_id))
         return select(self, layer_id, *args)
 
-    monkeypatch.setattr(SharedTopkBackend, "select_topk", spy)
+    monkeypatch.setattr(DSABackend, "select_topk", spy)
     requests = make_requests([5, 40], 10, 120, prompt_seed=9, temperature=0.0, ignore_eos=True)
     plain = run_all(local_engine(shared_index_model, options(0)), requests)
     assert run_all(local_engine(shared_index_model, options(3)), requests) == plain

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.engine_setup import EngineOptions, run_all, start_local_engine
+from cluster.engine_setup import run_all, start_local_engine
+from cluster.engine_spec import EngineOptions
 from cp_router.engine_log import EngineLog
 from cp_router.engine_stats import EngineStats
 from cp_router.metrics import ServeMetrics

@@ -10,7 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from cluster.engine_setup import EngineOptions, run_all
+from cluster.engine_setup import run_all
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
 from support.cp_cluster import make_prompts, ray_groups
 from support.engines import local_engine

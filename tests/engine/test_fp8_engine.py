@@ -3,7 +3,8 @@ same cache, preemption and chunked prefill on FP8 pages change no token, and bad
 
 import pytest
 
-from cluster.engine_setup import EngineOptions, run_all, start_local_engine
+from cluster.engine_setup import run_all, start_local_engine
+from cluster.engine_spec import EngineOptions
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine, make_requests
 

@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_router.pages import OutOfPages, PageAllocator
-from model_workers.kv_cache import PagedKVCache, PageTable
-from model_workers.kv_format import PlainRows
+from model_workers.models.dsa.cache import PagedKVCache
+from model_workers.page_table import PageTable
+from model_workers.kernels.torch.fp8_rows import PlainRows
 
 operations = st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 12)), max_size=60)
 

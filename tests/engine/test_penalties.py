@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from cluster.engine_setup import EngineOptions, run_all
+from cluster.engine_setup import run_all
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
 from cp_router.sampling import SamplingParams
 from model_workers.checkpoint.model_dir import resolve_model_dir

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cluster.engine_setup import EngineOptions
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineChunk, EngineRequest
 from cp_router.request_state import RequestState
 from support.cp_cluster import make_prompts

@@ -10,13 +10,15 @@ import asyncio
 import os
 import signal
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 from cluster.config import ResolvedCPConfig
-from cluster.engine_setup import EngineOptions, engine_over_workers
+from cluster.engine_setup import engine_over_workers
+from cluster.engine_spec import EngineOptions, resolve_engine_spec
 from cluster.launch import engine_cpus, launch_group, start_ray
 from cluster.rank_repair import RayRankRepair
 from cp_router.protocol import EngineRequest, EngineUnavailableError
@@ -50,7 +52,8 @@ def group():
 def engine_for(group, prefill_token_budget: int = 512, repair: RayRankRepair | None = None, k: int = 0):
     options = EngineOptions(dtype=DTYPE, num_pages=NUM_PAGES, page_size=PAGE_SIZE, deterministic=True,
                             prefill_token_budget=prefill_token_budget, num_speculative_steps=k)
-    return engine_over_workers(MODEL, CP, options, group.workers, repair=repair or RayRankRepair(group.launch))
+    return engine_over_workers(resolve_engine_spec(MODEL, CP, options), group.workers,
+                               repair=repair or RayRankRepair(group.launch))
 
 
 def pid_of(worker) -> int:
@@ -135,7 +138,8 @@ def test_a_request_resumed_max_resumes_times_ends_with_an_error_naming_it(group)
 
 
 def test_a_group_that_cannot_be_rebuilt_ends_every_stream_with_the_cause(group):
-    broken = RayRankRepair(replace(group.launch, model_dir="/nonexistent/checkpoint"))
+    missing = replace(group.launch.rank.model, path=Path("/nonexistent/checkpoint"))
+    broken = RayRankRepair(replace(group.launch, rank=replace(group.launch.rank, model=missing)))
     engine = engine_for(group, repair=broken)
     kill_after_steps(engine, group.workers[1], steps=3)
     results = outcomes(engine, REQUESTS[:3])

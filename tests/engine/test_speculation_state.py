@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from cluster.bench.common import PROMPTS
-from cluster.engine_setup import EngineOptions, run_all
+from cluster.engine_setup import run_all
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from model_workers.checkpoint.tokenizer import encode, load_tokenizer
-from model_workers.kv_cache import PageTable
+from model_workers.page_table import PageTable
 from model_workers.runner import ExtendItem, ModelRunner
 from support.engines import local_engine, make_requests
 

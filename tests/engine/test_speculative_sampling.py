@@ -5,7 +5,8 @@ test computes itself from the `transformers` reference model: softmax(top-3 logi
 import pytest
 import torch
 
-from cluster.engine_setup import EngineOptions, run_all
+from cluster.engine_setup import run_all
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
 from support.engines import local_engine
 from support.stats import chi_square_p

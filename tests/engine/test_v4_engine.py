@@ -6,7 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from cluster.engine_setup import EngineOptions, run_all
+from cluster.engine_setup import run_all
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
 from support.engines import local_engine
 from support.v4_checkpoints import v4_checkpoint_with_mtp

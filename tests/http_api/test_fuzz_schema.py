@@ -26,7 +26,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from cluster.engine_setup import EngineOptions, start_local_engine
+from cluster.engine_setup import start_local_engine
+from cluster.engine_spec import EngineOptions
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
 from cp_router.protocol import ModelInfo

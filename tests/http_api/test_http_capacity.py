@@ -10,7 +10,7 @@ import pytest
 
 from cluster import cli
 from cluster.engine_limits import EngineLimits, resolve_limits
-from cluster.engine_setup import EngineOptions
+from cluster.engine_spec import EngineOptions
 from cluster.http_api.ingress import build_app
 from cluster.http_api.openai_requests import COMPLETIONS_DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from cluster.serve_settings import IngressSettings
@@ -54,8 +54,9 @@ def test_serve_flags_reach_the_serve_args():
 def test_cp_min_prefill_tokens_reaches_the_scheduler_from_the_flag_and_the_yaml():
     from cluster.commands.serve import app_args
     from cluster.config import ResolvedCPConfig
-    from cluster.engine_setup import scheduler_for
-    from cluster.serve_app import engine_options, validate_args
+    from cluster.engine_spec import scheduler_for
+    from cluster.replica_engine import engine_options
+    from cluster.serve_app import validate_args
     from model_workers.checkpoint.model_dir import resolve_model_dir
 
     model_dir, cp = resolve_model_dir(None), ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
@@ -70,8 +71,9 @@ def test_cp_min_prefill_tokens_reaches_the_scheduler_from_the_flag_and_the_yaml(
 def test_the_prefill_chunk_is_2048_tokens_per_cp_rank_unless_set():
     from cluster.commands.serve import app_args
     from cluster.config import ResolvedCPConfig
-    from cluster.engine_setup import scheduler_for
-    from cluster.serve_app import engine_options, validate_args
+    from cluster.engine_spec import scheduler_for
+    from cluster.replica_engine import engine_options
+    from cluster.serve_app import validate_args
 
     model_dir = resolve_model_dir(None)
     flagged = app_args(cli.build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024"]))

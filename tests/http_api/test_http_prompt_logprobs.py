@@ -13,7 +13,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.engine_setup import EngineOptions
+from cluster.engine_spec import EngineOptions
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
 from model_workers.checkpoint.model_dir import resolve_model_dir

@@ -5,11 +5,12 @@ the scored path, plain and deterministic, and a request longer than top-k still 
 import pytest
 import torch
 
-from model_workers.backends.torch_backend import TorchBackend
+from model_workers.kernels.registry import kernel_set
+from model_workers.models.dsa.backend import DSABackend
 from model_workers.checkpoint.saver import init_weights
-from model_workers.model.batch_invariant import BatchInvariantMode
-from model_workers.model.config import parse_model_config
-from model_workers.model.decoder import DSAForCausalLM
+from model_workers.kernels.torch.batch_invariant import BatchInvariantMode
+from model_workers.models.registry import parse_model_config
+from model_workers.models.dsa.model import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
 from support.tiny_models import BASE
 
@@ -17,11 +18,11 @@ CONFIG = {**BASE, "model_type": "deepseek_v32", "tie_word_embeddings": True}  # 
 TOPK = CONFIG["index_topk"]
 
 
-class CountingBackend(TorchBackend):
+class CountingBackend(DSABackend):
     """Counts selections made with and without scores; `always_score` forces the scored path."""
 
     def __init__(self, cache, deterministic: bool, always_score: bool):
-        super().__init__(cache, deterministic=deterministic)
+        super().__init__(cache, kernel_set(), deterministic=deterministic)
         self.always_score = always_score
         self.calls = {"scored": 0, "all_keys": 0}
 

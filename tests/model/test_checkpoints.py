@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_workers.checkpoint.loader import CheckpointError, dequantize_fp8_blocks, load_model
-from model_workers.model.config import ModelConfigError
+from model_workers.checkpoint.loader import CheckpointError, load_model
+from model_workers.checkpoint.quantized import dequantize_fp8_blocks
+from model_workers.models.dsa.config import ModelConfigError
 from model_workers.runner import ExtendItem, ModelRunner
 from support.fp8 import quantize_fp8_blocks
 
@@ -111,7 +112,8 @@ def test_malformed_checkpoints_fail_with_one_line(checkpoint_copy, case, message
 def test_generation_config_eos_ids_join_the_models(tmp_path):
     import json as json_module
 
-    from model_workers.model.config import ModelConfigError, load_model_config
+    from model_workers.checkpoint.model_dir import load_model_config
+    from model_workers.models.dsa.config import ModelConfigError
     from support.tiny_models import BASE
 
     (tmp_path / "config.json").write_text(json_module.dumps({**BASE, "model_type": "deepseek_v32", "eos_token_id": 1}))

@@ -1,6 +1,6 @@
-"""bf16 weights packed once for oneDNN (model/cpu_prepack.py) change no bit: a prefill, a decode row, a 3-row verify,
-the MTP forward and both heads of the default model equal the unpacked model's; a weight changed in place retires
-its packed copy; deterministic inference (a dispatch mode) keeps F.linear."""
+"""bf16 weights packed once for oneDNN (kernels/torch/cpu_prepack.py) change no bit: a prefill, a decode row, a
+3-row verify, the MTP forward and both heads of the default model equal the unpacked model's; a weight changed in
+place retires its packed copy; deterministic inference (a dispatch mode) keeps F.linear."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from model_workers.checkpoint.draft_vocab import resolve_token_map
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
-from model_workers.model.batch_invariant import BatchInvariantMode
-from model_workers.model.cpu_prepack import PACKED_ATTR, bf16_prepack_supported, packed_weight, prepack_linear_weights
-from model_workers.model.linear import linear
+from model_workers.kernels.torch.batch_invariant import BatchInvariantMode
+from model_workers.kernels.torch.cpu_prepack import PACKED_ATTR, bf16_prepack_supported, packed_weight, prepack_linear_weights
+from model_workers.kernels.torch.linear import linear
 from model_workers.runner import ExtendItem, ModelRunner
 
 pytestmark = pytest.mark.skipif(not bf16_prepack_supported(), reason="no bf16 oneDNN kernels on this CPU")

@@ -10,7 +10,8 @@ import tokenize
 import pytest
 import torch
 
-from cluster.engine_setup import EngineOptions, run_all, start_local_engine
+from cluster.engine_setup import run_all, start_local_engine
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.model_dir import PACKAGED_MODEL_DIR
 from model_workers.checkpoint.tokenizer import encode, load_tokenizer

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model_workers.model import layers
-from model_workers.model.layers import Experts
+from model_workers.kernels.torch import experts as expert_loop
+from model_workers.models.common.layers import Experts
 
 
 def small_experts(dtype: torch.dtype, expert_ids: range | None = None, swiglu_limit: float | None = None) -> Experts:
@@ -27,7 +27,7 @@ def routes(num_rows: int, generator: torch.Generator) -> tuple[torch.Tensor, tor
 
 def expert_by_expert(monkeypatch, call):
     with monkeypatch.context() as patched:
-        patched.setattr(layers, "DENSE_MAX_ROWS", 0)
+        patched.setattr(expert_loop, "DENSE_MAX_ROWS", 0)
         return call()
 
 
@@ -37,10 +37,10 @@ def expert_by_expert(monkeypatch, call):
 def test_dense_path_equals_expert_by_expert(monkeypatch, dtype, tolerance, held, swiglu_limit):
     experts = small_experts(dtype, held, swiglu_limit)
     generator = torch.Generator().manual_seed(1)
-    for num_rows in (1, 3, layers.DENSE_MAX_ROWS):
+    for num_rows in (1, 3, expert_loop.DENSE_MAX_ROWS):
         x = torch.randn(num_rows, 32, generator=generator).to(dtype)
         expert_ids, weights = routes(num_rows, generator)
-        assert experts._runs_dense(x)
+        assert expert_loop.runs_dense(experts, x)
         dense_sum, dense_slots = experts(x, expert_ids, weights), experts.slot_outputs(x, expert_ids, weights)
         looped_sum = expert_by_expert(monkeypatch, lambda: experts(x, expert_ids, weights))
         looped_slots = expert_by_expert(monkeypatch, lambda: experts.slot_outputs(x, expert_ids, weights))
@@ -52,12 +52,12 @@ def test_dense_path_equals_expert_by_expert(monkeypatch, dtype, tolerance, held,
 
 def test_dense_path_only_for_few_rows_of_small_experts_outside_training():
     experts = small_experts(torch.float32)
-    assert experts._runs_dense(torch.zeros(layers.DENSE_MAX_ROWS, 32))
-    assert not experts._runs_dense(torch.zeros(layers.DENSE_MAX_ROWS + 1, 32))
-    assert not experts._runs_dense(torch.zeros(0, 32))
-    assert not experts.train()._runs_dense(torch.zeros(1, 32))
+    assert expert_loop.runs_dense(experts, torch.zeros(expert_loop.DENSE_MAX_ROWS, 32))
+    assert not expert_loop.runs_dense(experts, torch.zeros(expert_loop.DENSE_MAX_ROWS + 1, 32))
+    assert not expert_loop.runs_dense(experts, torch.zeros(0, 32))
+    assert not expert_loop.runs_dense(experts.train(), torch.zeros(1, 32))
     config = SimpleNamespace(hidden_size=1024, moe_intermediate_size=1024, n_routed_experts=8)
-    assert not Experts(config).eval()._runs_dense(torch.zeros(1, 1024))  # 8 x 3 MiB x 4 bytes: too large
+    assert not expert_loop.runs_dense(Experts(config).eval(), torch.zeros(1, 1024))  # 8 x 3 MiB x 4 bytes: too large
 
 
 def test_dense_path_follows_an_in_place_change_of_the_weights(monkeypatch):

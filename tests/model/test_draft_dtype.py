@@ -1,5 +1,5 @@
-"""The draft's own dtype (model/draft_dtype.py, precision.draft_dtype_for): on a CPU a bf16 model drafts with its
-MTP layer widened to float32; the target, its heads and its outputs are untouched, and the widened draft computes
+"""The draft's own dtype (models/common/draft_dtype.py, precision.draft_dtype_for): on a CPU a bf16 model drafts with
+its MTP layer widened to float32; the target, its heads and its outputs are untouched, and the widened draft computes
 what a float32 model computes from the same weights, bit for bit."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from model_workers.checkpoint.loader import load_model
 from model_workers.checkpoint.model_dir import resolve_model_dir
-from model_workers.model.cpu_prepack import bf16_prepack_supported, packed_weight, prepack_linear_weights
-from model_workers.model.draft_dtype import draft_dtype, mtp_layers, widened_parameter_count, widen_draft
+from model_workers.kernels.torch.cpu_prepack import bf16_prepack_supported, packed_weight, prepack_linear_weights
+from model_workers.models.common.draft_dtype import draft_dtype, mtp_layers, widened_parameter_count, widen_draft
 from model_workers.precision import DRAFT_WIDEN_MAX_BYTES, draft_dtype_for
 from model_workers.runner import ExtendItem, ModelRunner
 
@@ -83,9 +83,11 @@ def test_a_bf16_draft_over_a_bf16_cache_stays_close_to_the_float32_one():
 
 
 def test_a_cpu_rank_loading_bf16_weights_drafts_in_float32():
+    from model_workers.checkpoint.model_dir import read_model_spec
     from model_workers.cp_worker import CPWorker
+    from model_workers.spec import RankSpec
 
-    info = CPWorker(0, 1, num_threads=None).load(str(FOLDER), "bfloat16", num_pages=4, page_size=64)
+    info = CPWorker(0, 1, num_threads=None).load(RankSpec(read_model_spec(FOLDER), "bfloat16", num_pages=4, page_size=64))
     assert info["draft_dtype"] == "float32" and info["compute_dtype"] in ("bfloat16", "float32")
 
 

@@ -1,12 +1,15 @@
-"""The FP8 KV format (DESIGN.md §10): the byte layout and its formula, per-token quantization, and readers that
+"""The FP8 KV format (docs/kv_cache.md, 'FP8 layout'): the byte layout and its formula, per-token quantization, and readers that
 decode only what they gathered (attention: the top-k rows; the indexer: one key tile at a time)."""
 
 import pytest
 import torch
 
-from model_workers.kv_cache import PagedKVCache
-from model_workers.kv_format import FP8_BLOCK, Fp8Rows, PlainRows, e4m3_over_256, key_formats, power_of_two_scales
-from model_workers.model.sparse_ops import KEY_TILE, batched_causal_topk, causal_topk, sparse_mla_attention
+from model_workers.models.dsa.cache import PagedKVCache
+from model_workers.kernels.torch.fp8_rows import FP8_BLOCK, Fp8Rows, PlainRows, e4m3_over_256, power_of_two_scales
+from model_workers.kv_format import key_formats
+from model_workers.kernels.torch.indexer import KEY_TILE
+from model_workers.kernels.torch.sparse_mla import sparse_mla_attention
+from model_workers.kernels.torch.topk import batched_causal_topk, causal_topk
 
 
 def test_deepseek_v32_shapes_give_flashmla_656_byte_tokens_and_132_byte_index_keys():

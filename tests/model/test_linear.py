@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_workers.model import linear as linear_module
-from model_workers.model.batch_invariant import BatchInvariantMode
-from model_workers.model.linear import FEW_ROWS_MAX, Linear, linear
+from model_workers.kernels.torch import linear as linear_module
+from model_workers.kernels.torch.batch_invariant import BatchInvariantMode
+from model_workers.kernels.torch.linear import FEW_ROWS_MAX, linear
+from model_workers.models.common.linear import Linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 33])

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from cluster.engine_setup import EngineOptions, run_all, start_local_engine
+from cluster.engine_setup import run_all, start_local_engine
+from cluster.engine_spec import EngineOptions
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
 from model_workers.runner import ExtendItem, ModelRunner

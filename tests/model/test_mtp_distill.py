@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.cli import main
-from model_workers.model.decoder import DSAForCausalLM
+from model_workers.models.dsa.model import DSAForCausalLM
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.training.distill_checkpoint import distill_checkpoint
 from model_workers.training.model_card import render_card

@@ -4,13 +4,13 @@ and the attention over the padded selection is the attention over the real keys.
 
 import torch
 
-from model_workers.backends.torch_backend import (
-    KEY_WIDTH_STEP, ForwardBatch, TorchBackend, all_causal_keys, selection_width,
-)
+from model_workers.kernels.registry import kernel_set
+from model_workers.models.dsa.backend import KEY_WIDTH_STEP, DSABackend, all_causal_keys, selection_width
+from model_workers.models.dsa.batch import ForwardBatch
 from model_workers.checkpoint.saver import init_weights
-from model_workers.model.config import parse_model_config
-from model_workers.model.decoder import DSAForCausalLM
-from model_workers.model.sparse_ops import sparse_mla_attention
+from model_workers.models.registry import parse_model_config
+from model_workers.models.dsa.model import DSAForCausalLM
+from model_workers.kernels.torch.sparse_mla import sparse_mla_attention
 from model_workers.runner import ExtendItem, ModelRunner
 from support.tiny_models import BASE
 
@@ -18,9 +18,9 @@ WIDE_TOPK = 4 * KEY_WIDTH_STEP
 CONFIG = {**BASE, "model_type": "deepseek_v32", "tie_word_embeddings": True, "index_topk": WIDE_TOPK}
 
 
-class WidthRecorder(TorchBackend):
+class WidthRecorder(DSABackend):
     def __init__(self, cache):
-        super().__init__(cache)
+        super().__init__(cache, kernel_set())
         self.widths: list[int] = []
 
     def select_topk(self, layer_id, index_q, index_weights, topk):

@@ -2,7 +2,8 @@
 
 import torch
 
-from model_workers.model.sparse_ops import batched_causal_topk, causal_topk, indexer_scores
+from model_workers.kernels.torch.indexer import indexer_scores
+from model_workers.kernels.torch.topk import batched_causal_topk, causal_topk
 
 
 def naive_topk(index_q, index_w, keys, positions, topk):
@@ -59,7 +60,7 @@ def test_batched_topk_equals_per_request_topk():
 
 
 def test_indexer_scores_over_several_key_tiles_equal_the_formula():
-    from model_workers.model.sparse_ops import KEY_TILE
+    from model_workers.kernels.torch.indexer import KEY_TILE
 
     generator = torch.Generator().manual_seed(2)
     index_q, index_w, keys = random_inputs(5, 2 * KEY_TILE + 300, generator)
@@ -71,7 +72,7 @@ def test_indexer_scores_over_several_key_tiles_equal_the_formula():
 def test_score_buffers_reused_across_chunks_and_tiles_keep_the_scores():
     """causal_topk writes every chunk's scores into one buffer and every key tile's products into one workspace:
     a later, shorter chunk must not see an earlier chunk's scores, nor a partial tile a full tile's products."""
-    from model_workers.model.sparse_ops import KEY_TILE, QUERY_TILE
+    from model_workers.kernels.torch.indexer import KEY_TILE, QUERY_TILE
 
     generator = torch.Generator().manual_seed(3)
     num_keys = KEY_TILE + 333  # two key tiles, the second partial (and not whole 64-key blocks)

@@ -3,9 +3,9 @@ two keys tie at the k-th value, and the causal selection built on it equals a na
 
 import torch
 
-from model_workers.model import topk_select
-from model_workers.model.sparse_ops import causal_topk, earliest_topk, tied_earliest
-from model_workers.model.topk_select import kept_groups, row_topk
+from model_workers.kernels.torch import topk_select
+from model_workers.kernels.torch.topk import causal_topk, earliest_topk, tied_earliest
+from model_workers.kernels.torch.topk_select import kept_groups, row_topk
 from tests.model.test_sparse_topk import naive_topk, random_inputs
 
 

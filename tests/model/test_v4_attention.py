@@ -7,12 +7,13 @@ import copy
 import pytest
 import torch
 
-from model_workers.backends.v4_backend import V4TorchBackend, local_v4_batch
-from model_workers.kv_cache import PageTable
-from model_workers.model.rope import RotaryTable
-from model_workers.model.v4_attention import V4Attention
-from model_workers.model.v4_config import parse_v4_config
-from model_workers.v4_cache import V4Cache
+from model_workers.kernels.registry import kernel_set
+from model_workers.models.deepseek_v4.backend import V4Backend, local_batch
+from model_workers.page_table import PageTable
+from model_workers.models.common.rope import RotaryTable
+from model_workers.models.deepseek_v4.attention import V4Attention
+from model_workers.models.deepseek_v4.config import parse_v4_config
+from model_workers.models.deepseek_v4.cache import V4Cache
 from support.v4_models import randomized
 
 RAW = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
@@ -27,7 +28,7 @@ def test_sliding_layer_attention_equals_transformers(monkeypatch, block):
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
-    monkeypatch.setattr("model_workers.model.v4_attention.QUERY_BLOCK", block)
+    monkeypatch.setattr("model_workers.models.deepseek_v4.attention.QUERY_BLOCK", block)
     ours, theirs = parse_v4_config(RAW), DeepseekV4Config(**copy.deepcopy(RAW))
     theirs._attn_implementation = "eager"
     reference = randomized(DeepseekV4Attention(theirs, 0), 11)
@@ -42,7 +43,7 @@ def test_sliding_layer_attention_equals_transformers(monkeypatch, block):
     visible = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
     mask = torch.where(visible, 0.0, float("-inf"))[None, None]  # [1, 1, T, T]
     cache = V4Cache(ours, num_pages=1, page_size=16)
-    backend = V4TorchBackend(cache).bind(local_v4_batch(cache, [PageTable([0])], [length], "cpu"))
+    backend = V4Backend(cache, kernel_set()).bind(local_batch(cache, [PageTable([0])], [length], 16, "cpu"))
     with torch.no_grad():
         expected, _ = reference(x, embeddings, positions[None], mask)
         got = attention(x[0], positions, RotaryTable.of(ours.main_rope, ours.qk_rope_head_dim), backend, 0)

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from model_workers.model.v4_blocks import HyperConnection, HyperHead, expand_streams, v4_moe
-from model_workers.model.v4_config import parse_v4_config
+from model_workers.models.deepseek_v4.blocks import HyperConnection, HyperHead, expand_streams, v4_moe
+from model_workers.models.deepseek_v4.config import parse_v4_config
 from support.v4_models import randomized
 
 RAW = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,

@@ -5,9 +5,9 @@ import copy
 
 import torch
 
-from model_workers.model.rope import RotaryTable
-from model_workers.model.v4_compress import CSACompressor, HCACompressor, visible_entries
-from model_workers.model.v4_config import parse_v4_config
+from model_workers.models.common.rope import RotaryTable
+from model_workers.models.deepseek_v4.compress import CSACompressor, HCACompressor, visible_entries
+from model_workers.models.deepseek_v4.config import parse_v4_config
 from support.v4_models import randomized
 
 RAW = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from model_workers.model.config import ModelConfigError
-from model_workers.model.v4_config import CSA, HCA, SLIDING, parse_v4_config
+from model_workers.models.dsa.config import ModelConfigError
+from model_workers.models.deepseek_v4.config import CSA, HCA, SLIDING, parse_v4_config
 
 TINY = dict(model_type="deepseek_v4", vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
             num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=48, o_groups=2, o_lora_rank=16,

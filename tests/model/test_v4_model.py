@@ -111,7 +111,7 @@ def test_32_greedy_tokens_equal_transformers_generate(pair):
 def test_hash_routing_reads_each_rows_own_token_id(pair, monkeypatch):
     """The checkpoint's tid2eid sends tokens to different experts, so a row routed by its neighbour's id changes
     the output: CP / EP equality therefore also proves that ids follow their rows."""
-    from model_workers.model.v4_blocks import V4Gate
+    from model_workers.models.deepseek_v4.blocks import V4Gate
 
     _, ours = pair
     ids = prompt(20, 12)
@@ -146,7 +146,7 @@ def test_small_query_blocks_give_the_same_logits(pair, monkeypatch):
     """Queries are attended in blocks (window rows as one contiguous run per block, indexer picks per block):
     blocks of 5 give transformers' logits too."""
     reference, ours = pair
-    monkeypatch.setattr("model_workers.model.v4_attention.QUERY_BLOCK", 5)
+    monkeypatch.setattr("model_workers.models.deepseek_v4.attention.QUERY_BLOCK", 5)
     ids = prompt(37, 37)
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
@@ -157,7 +157,7 @@ def test_small_query_blocks_give_the_same_logits(pair, monkeypatch):
 def test_compressed_entries_live_in_the_requests_pages(pair, page_size):
     """Entries are paged (entry w in the page holding position w·m): scattered pages of any page size that the
     rates (4, 8) divide or that divides them give the same logits, and the pages hold the entries."""
-    from model_workers.kv_cache import PageTable
+    from model_workers.page_table import PageTable
 
     _, ours = pair
     ids = prompt(45, 45)

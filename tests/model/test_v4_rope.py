@@ -5,8 +5,8 @@ import copy
 
 import torch
 
-from model_workers.model.rope import RotaryTable, rotate_pairs
-from model_workers.model.v4_config import parse_v4_config
+from model_workers.models.common.rope import RotaryTable, rotate_pairs
+from model_workers.models.deepseek_v4.config import parse_v4_config
 
 RAW = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=1, head_dim=16, qk_rope_head_dim=8, q_lora_rank=24,

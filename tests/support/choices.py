@@ -7,16 +7,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_workers.backends.torch_backend import TorchBackend
-from model_workers.model.layers import MoEGate
+from model_workers.kernels.registry import kernel_set
+from model_workers.models.dsa.backend import DSABackend
+from model_workers.models.dsa.moe import MoEGate
 from model_workers.runner import ExtendItem, ModelRunner
 
 
-class RecordingBackend(TorchBackend):
-    """TorchBackend that keeps each layer's top-k selection (slots = positions on a standalone table)."""
+class RecordingBackend(DSABackend):
+    """The DSA backend that keeps each layer's top-k selection (slots = positions on a standalone table)."""
 
     def __init__(self, cache):
-        super().__init__(cache)
+        super().__init__(cache, kernel_set())
         self.picked: dict[int, torch.Tensor] = {}
 
     def select_topk(self, layer_id: int, index_q, index_weights, topk: int) -> torch.Tensor:

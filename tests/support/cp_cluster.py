@@ -12,13 +12,17 @@ import ray
 import torch
 
 from cluster.config import ResolvedCPConfig
-from cluster.engine_setup import EngineOptions, engine_over_workers, run_all
+from cluster.engine_setup import engine_over_workers, run_all
+from cluster.engine_spec import EngineOptions, resolve_engine_spec
 from cluster.launch import CPGroup, engine_cpus, launch_group, start_ray
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.loader import load_model
-from model_workers.kv_cache import PagedKVCache, PageTable
+from model_workers.checkpoint.model_dir import read_model_spec
+from model_workers.models.dsa.cache import PagedKVCache
+from model_workers.page_table import PageTable
 from model_workers.precision import compute_dtype, set_draft_precision
 from model_workers.runner import ExtendItem, ModelRunner
+from model_workers.spec import RankSpec
 
 NUM_PAGES, PAGE_SIZE = 64, 8  # 512 token slots per rank
 
@@ -84,7 +88,8 @@ class Cluster:
             self.groups[cp_size] = launch_group(folder, cp, dtype, NUM_PAGES, PAGE_SIZE, kv_cache_dtype=kv_cache_dtype)
         elif self.loaded[cp_size] != wanted:
             workers = self.groups[cp_size].workers
-            ray.get([w.load.remote(str(folder), dtype, NUM_PAGES, PAGE_SIZE, ep_size, kv_cache_dtype) for w in workers])
+            rank = RankSpec(read_model_spec(folder), dtype, NUM_PAGES, PAGE_SIZE, ep_size, kv_cache_dtype)
+            ray.get([w.load.remote(rank) for w in workers])
         self.loaded[cp_size] = wanted
         return self.groups[cp_size]
 
@@ -95,7 +100,7 @@ class Cluster:
         settings = dict(dtype=dtype, num_pages=NUM_PAGES, page_size=PAGE_SIZE, return_logits=True,
                         prefill_token_budget=NUM_PAGES * PAGE_SIZE)
         options = EngineOptions(**{**settings, **options})
-        return engine_over_workers(folder, cp, options,
+        return engine_over_workers(resolve_engine_spec(folder, cp, options),
                                    self.group(cp_size, folder, dtype, ep_size, options.kv_cache_dtype).workers)
 
     def shutdown(self) -> None:

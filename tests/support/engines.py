@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine_setup import EngineOptions, start_local_engine
+from cluster.engine_setup import start_local_engine
+from cluster.engine_spec import EngineOptions
 from cp_router.engine import GenerationEngine
 from cp_router.protocol import EngineRequest
 

@@ -132,8 +132,8 @@ TRAINING_CONFIG = {  # a model small enough to train for a few steps in a test
 def tiny_training_model(seed: int = 0, with_mtp: bool = True):
     """Our DSAForCausalLM over TRAINING_CONFIG (one MTP layer unless `with_mtp` is False), random weights."""
     from model_workers.checkpoint.saver import init_weights
-    from model_workers.model.config import parse_model_config
-    from model_workers.model.decoder import DSAForCausalLM
+    from model_workers.models.registry import parse_model_config
+    from model_workers.models.dsa.model import DSAForCausalLM
 
     model = DSAForCausalLM(parse_model_config(TRAINING_CONFIG), mtp_layout=[(True, False)] if with_mtp else [])
     init_weights(model, std=0.3, seed=seed)

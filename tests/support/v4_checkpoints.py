@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from model_workers.checkpoint.v4_names import FP4_GROUP, FP4_VALUES, FP8_RELEASE, release_name
+from model_workers.checkpoint.quantized import FP4_GROUP, FP4_VALUES
+from model_workers.models.deepseek_v4.names import FP8_RELEASE, release_name
 
 
 def quantize_fp8_ue8m0(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,8 +63,8 @@ def write_release_checkpoint(state: dict[str, torch.Tensor], raw: dict, folder: 
     every quantized tensor replaced by its dequantized value (the twin the checkpoint must load as)."""
     from safetensors.torch import save_file
 
-    from model_workers.checkpoint.loader import dequantize_fp8_blocks
-    from model_workers.checkpoint.v4_names import dequantize_fp4
+    from model_workers.checkpoint.quantized import dequantize_fp8_blocks
+    from model_workers.checkpoint.quantized import dequantize_fp4
 
     layers, tensors, twin = raw["num_hidden_layers"], {}, dict(state)
     for name, value in state.items():

@@ -23,7 +23,7 @@ def randomized(module, seed: int, num_experts: int | None = None):
 
 
 # A tiny DeepSeek-V4 with every layer kind: sliding, CSA (rate 4, 8 indexer heads so ReLU ties do not decide
-# top-k), HCA (rate 8), hash and learned routing, YaRN touching the small RoPE dims (deepseek_v4.md section 7).
+# top-k), HCA (rate 8), hash and learned routing, YaRN touching the small RoPE dims (docs/models.md, 'DeepSeek-V4').
 TINY_V4 = dict(
     model_type="deepseek_v4", vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32,
@@ -85,8 +85,8 @@ def hf_v4(raw: dict, seed: int):
 
 def ours_like(reference, raw: dict, num_mtp_layers: int = 0):
     """Our DeepseekV4ForCausalLM of `raw` holding `reference`'s weights (the names match one to one)."""
-    from model_workers.model.v4_config import parse_v4_config
-    from model_workers.model.v4_model import DeepseekV4ForCausalLM
+    from model_workers.models.deepseek_v4.config import parse_v4_config
+    from model_workers.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
     ours = DeepseekV4ForCausalLM(parse_v4_config(raw), num_mtp_layers)
     weights = {k: v for k, v in reference.state_dict().items() if "rotary_emb" not in k}
@@ -96,7 +96,7 @@ def ours_like(reference, raw: dict, num_mtp_layers: int = 0):
 
 
 class HFMTPReference(torch.nn.Module):
-    """DeepSeek-V4's MTP block assembled from `transformers`' own V4 modules (deepseek_v4.md section 4.4), since
+    """DeepSeek-V4's MTP block assembled from `transformers`' own V4 modules (docs/models.md, 'MTP block'), since
     transformers has none: e_proj(enorm(embed(t_{i+1}))) + h_proj(hnorm(streams_i)) -> one sliding-only,
     learned-routing decoder layer -> its own hc_head and norm -> the target's lm_head."""
 

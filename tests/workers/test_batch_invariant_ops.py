@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_workers.model.batch_invariant import BatchInvariantMode, outside_mode
+from model_workers.kernels.torch.batch_invariant import BatchInvariantMode, outside_mode
 
 BATCHES = (1, 2, 3, 7, 33, 100)
 

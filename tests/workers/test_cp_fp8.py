@@ -32,7 +32,7 @@ def v32(tmp_path_factory):
 
 
 def fp8_bytes_per_token() -> int:
-    """The tiny V3.2 shape: 3 target layers + 1 MTP layer, all with an indexer; DESIGN.md §10's layout,
+    """The tiny V3.2 shape: 3 target layers + 1 MTP layer, all with an indexer; docs/kv_cache.md's FP8 layout,
     counted here from the shapes alone: c_kv FP8 + one fp32 scale per 128, k_pe bf16; index key FP8 + scale."""
     c_kv, rope, index = BASE["kv_lora_rank"], BASE["qk_rope_head_dim"], BASE["index_head_dim"]
     latent = c_kv + 4 * -(-c_kv // 128) + 2 * rope  # 32 + 4 + 32 = 68
@@ -67,7 +67,7 @@ def test_fp8_cp_prefill_equals_single_process_fp8(cluster, v32, cp_size, strateg
 
 
 # The seed's bug, reproduced through a test-only hook: the one position routine (`rope_positions`) swapped for
-# the other implementation's, as that implementation shards a batch by default for DSA models (DESIGN.md §5:
+# the other implementation's, as that implementation shards a batch by default for DSA models (docs/architecture.md, 'Which implementation runs':
 # v2 with interleave, legacy with zigzag). The data keeps its own layout, so keys are roped (then quantized) at
 # positions of another layout.
 OTHER_ROUTINE = {"v2": ("legacy", "zigzag"), "legacy": ("v2", "interleave")}

@@ -195,7 +195,7 @@ def test_a_rank_that_raises_fails_the_step_on_every_rank(cluster, moe12):
 
 
 def test_a_bf16_draft_wider_than_its_experts_joins_the_exchange_from_an_idle_rank(cluster, moe12):
-    """bf16 weights on a CPU: the draft computes in float32 around bf16 routed experts (model/draft_dtype.py). The
+    """bf16 weights on a CPU: the draft computes in float32 around bf16 routed experts (models/common/draft_dtype.py). The
     rank that owns no request joins every MTP expert exchange with rows of the experts' dtype, which is what the
     owner sends too; speculation stays lossless."""
     _, folder = moe12

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import threading
 
-from model_workers.checkpoint.model_dir import resolve_model_dir
+from model_workers.checkpoint.model_dir import read_model_spec
 from model_workers.cp_worker import CPWorker
 from model_workers.load_progress import GIB, LoadProgress
+from model_workers.spec import RankSpec
 
 RANKS_UNDER_RAY = """
 import sys
@@ -57,7 +58,7 @@ def test_progress_lines_name_the_rank_the_bytes_and_the_seconds(tmp_path, caplog
 def test_a_worker_load_logs_what_it_read(caplog):
     worker = CPWorker(0, 1, num_threads=None)
     with caplog.at_level(logging.INFO, logger="dsa_serve.worker"):
-        worker.load(str(resolve_model_dir(None)), num_pages=8, page_size=8)
+        worker.load(RankSpec(read_model_spec(None), "float32", num_pages=8, page_size=8))
     lines = [r.getMessage() for r in caplog.records if r.name == "dsa_serve.worker"]
     first, last = lines[0], lines[-1]
     assert first.startswith("cp_rank 0: loading weights from ")
