@@ -10,14 +10,18 @@ def test_configs_take_turns_and_each_keeps_its_median(monkeypatch):
     calls = []
     walls = iter([0.3, 0.9, 0.1, 0.8, 0.2, 0.7, 0.5, 0.4, 0.6, 0.45, 0.55, 0.35])  # a, b, a, b, ... per length
 
-    def fake_engine(model_dir, cp, options, workers):
-        return SimpleNamespace(name=workers, budget=options.prefill_token_budget)
+    def fake_spec(model, cp, options):  # the engine spec without reading a checkpoint
+        return SimpleNamespace(cp=cp, options=options)
+
+    def fake_engine(spec, workers):
+        return SimpleNamespace(name=workers, budget=spec.options.prefill_token_budget)
 
     async def fake_prefill_once(engine, prompt, request_id):
         calls.append((engine.name, len(prompt), request_id))
         return {"wall_s": 0.0 if request_id.endswith("warm-0") else next(walls), "engine": engine.name,
                 "budget": engine.budget}
 
+    monkeypatch.setattr(prefill_runs, "resolve_engine_spec", fake_spec)
     monkeypatch.setattr(prefill_runs, "engine_over_workers", fake_engine)
     monkeypatch.setattr(prefill_runs, "_prefill_once", fake_prefill_once)
     one, two = SimpleNamespace(cp_size=1), SimpleNamespace(cp_size=2)
