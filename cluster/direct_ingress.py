@@ -10,7 +10,7 @@ Serve's proxy keeps answering too (the same app behind it), on its own port.
 Measured on the 2-core bench VM (`bench serve --engine-placement colocated --concurrency 1,32`, HTTP / in-process):
 Ray Serve's own direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, which this replaced) reached 0.83x of the
 in-process tokens/s at 32 streams and 1.26x its one-stream TTFT; this server, with the engine changes of the same
-day, 0.86-0.92x and 0.98-1.10x; through Serve's proxy 0.66-0.70x and 1.54-1.73x (docs/bench_notes.md).
+day, 0.86-0.92x and 0.98-1.10x; through Serve's proxy 0.66-0.70x and 1.54-1.73x (docs/bench_notes/serving_ingress.md).
 
 Every replica binds with SO_REUSEPORT, so several replicas on one node share the port and a replacement
 replica can bind while the old one drains; a port someone else listens on (another program, another app or Ray

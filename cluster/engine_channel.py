@@ -1,8 +1,8 @@
 """Engine replica -> ingress replica token channels (separate placement): one Ray stream per pair, not per request.
 
 A streamed item costs about 0.6 ms of CPU between two processes on the 2-core bench VM over Ray object refs (a
-Serve handle stream and a bare actor stream alike) and 0.27 ms over Serve's gRPC (docs/bench_notes.md has the
-script). Streamed per request, a 32-stream decode sends one item per request per engine call; through a channel,
+Serve handle stream and a bare actor stream alike) and 0.27 ms over Serve's gRPC
+(docs/bench_notes/serving_separate_placement.md has the script). Streamed per request, a 32-stream decode sends one item per request per engine call; through a channel,
 one item per call for all the requests of one ingress replica.
 
 * `ChannelHost` (engine side) keeps one `ChannelOutbox` per ingress replica that opened a channel here

@@ -62,7 +62,8 @@ QUIET = {"enable_access_log": False}
 # HTTP replicas run their app (colocated: and the step loop) on their main event loop, not a thread of Serve's
 # own, and the ingress's engine handle routes on that loop too. 2-core bench VM, HTTP / in-process: colocated 32
 # streams 0.79x -> 0.89x; the ingress's router there: TTFT at one stream 1.22x against 1.34x (mean of A/B runs,
-# docs/bench_notes.md). The engine replica keeps Serve's thread. A config's own ray_actor_options replace these.
+# docs/bench_notes/serving_ingress.md). The engine replica keeps Serve's thread. A config's own ray_actor_options
+# replace these.
 HTTP_REPLICA_ACTOR_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                                                              "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}}
 

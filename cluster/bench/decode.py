@@ -16,7 +16,13 @@ import json
 import time
 
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
-from cluster.commands.args import add_deterministic_argument, add_dtype_argument, add_speculative_argument, int_list
+from cluster.commands.args import (
+    add_attention_backend_argument,
+    add_deterministic_argument,
+    add_dtype_argument,
+    add_speculative_argument,
+    int_list,
+)
 from cluster.commands.result_output import print_result
 from cluster.config import MAX_SPECULATIVE_STEPS
 
@@ -38,6 +44,7 @@ def add_parser(kinds) -> None:
     decode.add_argument("--rounds", type=int, default=2,
                         help="passes over the prompts per configuration; the ks of a batch size take turns")
     add_deterministic_argument(decode)
+    add_attention_backend_argument(decode)
     decode.add_argument("--ray", action="store_true",
                         help="decode on a Ray worker actor as `serve` does (default: a worker in this process)")
     decode.add_argument("--json", action="store_true", help="print one JSON object")
@@ -63,7 +70,8 @@ def measure_batch(model_dir, ks: list[int], batch: int, args) -> list[dict]:
     options = {k: EngineOptions(args.dtype, num_pages=batch * (args.max_tokens // 16 + 4), page_size=16,
                                 num_speculative_steps=k, max_steps_per_call=args.steps_per_call,
                                 deterministic=args.enable_deterministic_inference,
-                                speculative_token_map=args.speculative_token_map) for k in ks}
+                                speculative_token_map=args.speculative_token_map,
+                                attention_backend=args.attention_backend) for k in ks}
     engines, close = open_engines(model_dir, options, args.ray)
 
     def requests(tag: str, max_tokens: int, first: int):

@@ -24,6 +24,7 @@ import torch
 from cluster.bench.common import model_fingerprint, spelled_command
 from cluster.commands.args import (
     add_cp_arguments,
+    add_attention_backend_argument,
     add_deterministic_argument,
     add_dtype_argument,
     add_kv_cache_dtype_argument,
@@ -50,6 +51,7 @@ def add_parser(kinds) -> None:
     add_dtype_argument(prefill, default="bfloat16", allow_auto=False)
     add_kv_cache_dtype_argument(prefill)
     add_deterministic_argument(prefill)
+    add_attention_backend_argument(prefill)
     prefill.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     prefill.add_argument("--repeats", type=int, default=1, help="timed prefills per length (median kept)")
     prefill.add_argument("--skip-equal-cores", action="store_true", help="no C=1 run with C threads")

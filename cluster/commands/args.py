@@ -18,6 +18,7 @@ from cluster.config import (
     KVCacheDTypeName,
 )
 from cluster.engine_limits import add_limit_arguments
+from model_workers.kernels.registry import DEFAULT_ATTENTION_BACKEND
 from cluster.http_api.reasoning import REASONING_PARSERS
 from cluster.http_api.tool_parsers import TOOL_CALL_PARSERS
 from cluster.serve_settings import EnginePlacement
@@ -58,7 +59,8 @@ def add_deterministic_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_attention_backend_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName), default="torch",
+    parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName),
+                        default=DEFAULT_ATTENTION_BACKEND,
                         help="the ranks' DSA kernel set (model_workers/kernels/registry.py): torch, the reference"
                              " (CPU and CUDA)")
 

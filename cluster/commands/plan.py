@@ -40,7 +40,10 @@ def _gb(num_bytes: int) -> str:
 
 
 def format_plan(result: dict) -> str:
-    """A short human table: one rank's bytes by class (every rank holds the same amount under EP in {1, C})."""
+    """A short human table: one rank's bytes by class (every rank holds the same amount under EP in {1, C}), then
+    the KV line the model's family writes."""
+    from model_workers.models.registry import family_for
+
     inputs, ckpt, params, rank = result["inputs"], result["checkpoint"], result["params"], result["ranks"][0]
     fp8 = f", FP8 blocks {ckpt['fp8_block_size']}" if ckpt["fp8_block_size"] else ""
     lines = [
@@ -60,10 +63,7 @@ def format_plan(result: dict) -> str:
          f"({result['max_rank_weight_bytes'] / 2**30:,.2f} GiB)"),
         "",
     ]
-    kv = result["kv"]
-    lines.append(f"KV ({inputs['kv_cache_dtype']}): {kv['cache_layers']} layers x {kv['latent_bytes_per_layer']} B latent"
-                 f" + {kv['indexed_layers']} x {kv['index_bytes_per_layer']} B index key"
-                 f" = {result['kv_bytes_per_token']:,} B per token per rank")
+    lines.append(family_for(result["model_type"]).kv_summary(result))
     if "kv_by_dtype" in result:
         lines.append(kv_comparison_line(result["kv_by_dtype"]))
     if "kv_tokens_that_fit" in result:

@@ -43,6 +43,7 @@ class ModelFamily:
     cache_bytes_per_token: Callable[[Any, str], float]  # (config, plan kv dtype): KV bytes a token costs its owner
     gather_bytes_per_token: Callable[[Any, str], float]  # (config, kv dtype): bytes CP prefill gathers per token
     kv_plan: Callable[..., dict]  # (config, plan kv dtype, weight bytes, device GiB or None) -> the plan's KV part
+    kv_summary: Callable[[dict], str]  # (the plan) -> its KV part as one line of text (`dsa-serve plan`)
     kv_formulas: Callable[[str], dict]  # (kv dtype) -> the gather and per-token byte formulas as text (benchmarks)
     # (config, length, logit_rows, mtp_sparse) -> model FLOPs of one prefill by part and phase; None: not counted
     prefill_flops: Callable[..., dict] | None = None

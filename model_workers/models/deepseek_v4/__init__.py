@@ -37,6 +37,7 @@ FAMILY = ModelFamily(
     gather_bytes_per_token=gather_bytes_per_token,
     kv_plan=capacity.kv_plan,
     kv_formulas=capacity.kv_formulas,
+    kv_summary=capacity.kv_summary,
     random_checkpoint=random_checkpoint.write_random_v4,
     random_shapes=tuple(random_checkpoint.SHAPES),
 )

@@ -95,3 +95,11 @@ def kv_plan(config: V4Config, kv_dtype: str, weight_bytes: int, device_memory_gi
 def kv_formulas(kv_dtype: str) -> dict[str, str]:
     """The KV byte formulas (CP prefill gathers, compressed entries per token), as text."""
     return {"kv_gather_formula": V4_GATHER_FORMULA, "kv_token_formula": V4_TOKEN_FORMULA}
+
+
+def kv_summary(plan: dict) -> str:
+    """The plan's KV line: compressed entries per token, and each request's bounded state."""
+    kv = plan["kv"]
+    layers = ", ".join(f"{count} {kind}" for kind, count in kv["layer_types"].items())
+    return (f"KV ({plan['inputs']['kv_cache_dtype']}): {plan['kv_bytes_per_token']:,.1f} B per token per rank of "
+            f"compressed entries ({layers}) + {kv['request_state_bytes']:,} B of bounded state per request")

@@ -29,5 +29,6 @@ FAMILY = ModelFamily(
     gather_bytes_per_token=capacity.kv_bytes_per_token,  # CP gathers move each token's stored KV rows
     kv_plan=capacity.kv_plan,
     kv_formulas=capacity.kv_formulas,
+    kv_summary=capacity.kv_summary,
     prefill_flops=flops.prefill_flops,
 )

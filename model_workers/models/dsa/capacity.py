@@ -108,3 +108,11 @@ def kv_formulas(kv_dtype: str) -> dict[str, str]:
     if kv_dtype == "fp8_e4m3":
         return {"kv_gather_formula": FP8_GATHER_FORMULA, "kv_token_formula": FP8_TOKEN_FORMULA}
     return {"kv_gather_formula": KV_GATHER_FORMULA, "kv_token_formula": KV_TOKEN_FORMULA}
+
+
+def kv_summary(plan: dict) -> str:
+    """The plan's KV line: cache layers x latent bytes + indexed layers x index-key bytes = bytes per token."""
+    kv = plan["kv"]
+    return (f"KV ({plan['inputs']['kv_cache_dtype']}): {kv['cache_layers']} layers x {kv['latent_bytes_per_layer']} B "
+            f"latent + {kv['indexed_layers']} x {kv['index_bytes_per_layer']} B index key"
+            f" = {plan['kv_bytes_per_token']:,} B per token per rank")
