@@ -4,11 +4,12 @@ PIP := $(VENV)/bin/pip
 
 .PHONY: install serve test bench soak clean
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the versions the suite last passed with (clients such as openai change between releases)
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test,bench]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,bench]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -18,7 +18,7 @@ from cp_router.cp.strategies import cp_alignment
 from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.checkpoint.capacity import cache_bytes_per_token
 from model_workers.checkpoint.draft_vocab import check_token_map_setting
-from model_workers.checkpoint.model_dir import read_model_spec
+from model_workers.checkpoint.model_dir import as_model_spec
 from model_workers.kernels.registry import DEFAULT_ATTENTION_BACKEND, kernel_set
 from model_workers.kv_format import check_kv_cache_dtype
 from model_workers.models.registry import FAMILIES
@@ -79,11 +79,6 @@ class EngineSpec:
         return effective_max_model_len(self.model.config.max_position_embeddings, self.options)
 
 
-def model_spec(model: ModelSpec | str | Path | None) -> ModelSpec:
-    """`model` as a ModelSpec: already one, or a folder read now (None: the embedded default model)."""
-    return model if isinstance(model, ModelSpec) else read_model_spec(model)
-
-
 def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
     if cp.cp_size > 1 and not cp.enabled:
         raise ValueError(f"cp_size={cp.cp_size} needs prefill CP enabled")
@@ -122,7 +117,7 @@ def resolve_engine_spec(model: ModelSpec | str | Path | None, cp: ResolvedCPConf
                         options: EngineOptions) -> EngineSpec:
     """The options checked against the scheduler's rules and the model's family (a KV format its cache cannot
     hold, deterministic inference where it is not batch-invariant), `dtype` "auto" resolved: before any launch."""
-    model = model_spec(model)
+    model = as_model_spec(model)
     scheduler_for(cp, options)
     family, model_type = model.family, model.config.model_type
     check_kv_cache_dtype(options.kv_cache_dtype, family.kv_cache_dtypes, model_type)

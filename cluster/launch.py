@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ResolvedCPConfig
-from model_workers.checkpoint.model_dir import read_model_spec
+from model_workers.checkpoint.model_dir import as_model_spec
 from model_workers.comm import free_port
 from model_workers.cp_worker import CPWorker
 from model_workers.kernels.registry import DEFAULT_ATTENTION_BACKEND
@@ -192,7 +192,7 @@ def launch_group(
 ) -> CPGroup:
     """`launch_ranks` of the rank spec these settings make (a folder is read here): tests and tools that launch a
     group without an engine spec."""
-    model = model if isinstance(model, ModelSpec) else read_model_spec(model)
+    model = as_model_spec(model)
     rank = RankSpec(model, dtype, num_pages, page_size, cp.ep_size, kv_cache_dtype, deterministic,
                     speculative_token_map, attention_backend)
     return launch_ranks(rank, cp, placement_timeout_s, threads_per_worker, use_gpu, placement_strategy)

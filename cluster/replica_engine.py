@@ -11,13 +11,13 @@ import ray
 from cluster.config import resolve_cp_settings
 from cluster.engine_limits import EngineLimits, limits_from
 from cluster.engine_setup import engine_over_workers
-from cluster.engine_spec import EngineOptions, EngineSpec, limit_options, model_spec, resolve_engine_spec
+from cluster.engine_spec import EngineOptions, EngineSpec, limit_options, resolve_engine_spec
 from cluster.launch import RankLaunch, start_workers
 from cluster.rank_repair import RayRankRepair
 from cluster.ray_metrics import replica_metrics
 from cluster.serve_settings import ServeAppArgs
 from cp_router.engine import GenerationEngine
-from model_workers.checkpoint.model_dir import read_model_spec
+from model_workers.checkpoint.model_dir import as_model_spec, read_model_spec
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 from model_workers.spec import ModelSpec
 
@@ -30,7 +30,7 @@ def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
 
 def engine_options(args: ServeAppArgs, model: ModelSpec | str | Path | None) -> EngineOptions:
     """The engine's options: the args' capacity fields resolved against the model (pages, window)."""
-    model = model_spec(model)
+    model = as_model_spec(model)
     limits = limit_options(model, EngineLimits(**limits_from(args)), args.dtype, args.kv_cache_dtype,
                            args.speculative_num_steps)
     return EngineOptions(args.dtype, kv_cache_dtype=args.kv_cache_dtype,

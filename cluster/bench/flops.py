@@ -42,10 +42,9 @@ def checkpoint_flop_config(model) -> tuple[object, bool | None]:
     holds, whether MTP layer 0 has an MoE (None: no MTP layer)); `model` a folder or a `ModelSpec`. A family
     without a FLOP count gets its config back as it is."""
     from model_workers.checkpoint.loader import checkpoint_files
-    from model_workers.checkpoint.model_dir import read_model_spec
-    from model_workers.spec import ModelSpec
+    from model_workers.checkpoint.model_dir import as_model_spec
 
-    spec = model if isinstance(model, ModelSpec) else read_model_spec(model)
+    spec = as_model_spec(model)
     if spec.family.prefill_flops is None:
         return spec.config, None
     with torch.device("meta"):  # the model the loader would build: no memory, no weights read

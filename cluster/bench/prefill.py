@@ -33,7 +33,6 @@ from cluster.commands.args import (
 from cluster.commands.result_output import print_result
 from cp_router.cp.balance import causal_work_per_rank, contiguous_causal_work, max_over_mean
 from cp_router.cp.strategies import CP_STRATEGIES
-from model_workers.precision import storage_dtype
 
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
 PREFILL_FLAGS = ("model", "cp_size", "cp_strategy", "cp_impl", "ep_size", "prompt_len", "dtype", "kv_cache_dtype",

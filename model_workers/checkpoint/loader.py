@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from model_workers.checkpoint.model_dir import read_model_spec
+from model_workers.checkpoint.model_dir import as_model_spec
 from model_workers.checkpoint.quantized import dequantize_fp4, dequantize_fp8_blocks
 from model_workers.checkpoint.weight_classes import expert_of, is_fused_experts, owned_experts, weight_class
 from model_workers.spec import ModelSpec
@@ -82,7 +82,7 @@ def load_model_with_report(
     """The model of expert-parallel rank `ep_rank` of `ep_size` (all experts when ep_size = 1), and what it read;
     `model`: a `ModelSpec` (a rank: config.json already read at the edge) or a checkpoint folder (read here);
     `on_read(nbytes)` after each checkpoint tensor read (load progress)."""
-    spec = model if isinstance(model, ModelSpec) else read_model_spec(model)
+    spec = as_model_spec(model)
     family, config = spec.family, spec.config
     experts = owned_experts(config.n_routed_experts, ep_rank, ep_size)
     files = checkpoint_files(spec.path)

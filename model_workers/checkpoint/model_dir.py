@@ -32,6 +32,11 @@ def read_model_spec(model_dir: str | Path | None) -> ModelSpec:
     return ModelSpec(path, parse_model_config(with_generation_eos(raw, path / GENERATION_CONFIG)), raw)
 
 
+def as_model_spec(model: ModelSpec | str | Path | None) -> ModelSpec:
+    """`model` as a ModelSpec: already one (read at the edge), or a folder read now (None: the default model)."""
+    return model if isinstance(model, ModelSpec) else read_model_spec(model)
+
+
 def load_model_config(model_dir: str | Path) -> Any:
     """The folder's parsed config alone (`read_model_spec(model_dir).config`)."""
     return read_model_spec(model_dir).config
