@@ -19,7 +19,7 @@ from cp_router.scheduler import Scheduler, SchedulerConfig
 from model_workers.checkpoint.capacity import cache_bytes_per_token
 from model_workers.checkpoint.draft_vocab import check_token_map_setting
 from model_workers.checkpoint.model_dir import as_model_spec
-from model_workers.kernels.registry import DEFAULT_ATTENTION_BACKEND, kernel_set
+from model_workers.kernels.registry import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND, resolve_backend
 from model_workers.kv_format import check_kv_cache_dtype
 from model_workers.models.registry import FAMILIES
 from model_workers.precision import resolve_dtype_name
@@ -51,7 +51,9 @@ class EngineOptions:
         check_speculative_steps(self.num_speculative_steps)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_token_map_setting(self.speculative_token_map)
-        kernel_set(self.attention_backend)  # a name the registry knows (its module is imported once here)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.max_steps_per_call < 1:
             raise ValueError(f"max_steps_per_call must be >= 1, got {self.max_steps_per_call}")
 
@@ -127,4 +129,5 @@ def resolve_engine_spec(model: ModelSpec | str | Path | None, cp: ResolvedCPConf
                          "batch-invariant yet (its compressed attention pools data-dependent shapes); serve it "
                          "without the flag")
     device = "cuda" if options.use_gpu else "cpu"
+    resolve_backend(options.attention_backend, device)  # a set that cannot run there fails here, not in a rank
     return EngineSpec(model, cp, replace(options, dtype=resolve_dtype_name(options.dtype, model, device)))

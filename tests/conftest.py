@@ -1,8 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a CUDA device the Triton kernels run in Triton's interpreter, which has to be on before any kernel module
+# is imported (the kernels are decorated then); the Triton kernel set is refused on a CPU otherwise.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -61,8 +61,9 @@ def add_deterministic_argument(parser: argparse.ArgumentParser) -> None:
 def add_attention_backend_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName),
                         default=DEFAULT_ATTENTION_BACKEND,
-                        help="the ranks' DSA kernel set (model_workers/kernels/registry.py): torch, the reference"
-                             " (CPU and CUDA)")
+                        help="the ranks' DSA kernel set (model_workers/kernels/registry.py): auto (triton on CUDA when"
+                             " it imports, else torch), torch (the reference, CPU and CUDA), triton (CUDA; on a CPU"
+                             " only in Triton's interpreter, TRITON_INTERPRET=1)")
 
 
 def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:

@@ -54,17 +54,21 @@ class IndexerLogits(Protocol):
 
 
 class TopkSelection(Protocol):
-    def causal(self, index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor,
+    """Keys are read where the cache keeps them: `store` [S, W] stored rows, `slots` the rows of a request's key
+    positions 0..K-1 (so a kernel reads the pages in place, no gathered copy)."""
+
+    def causal(self, index_q: torch.Tensor, index_weights: torch.Tensor, store: torch.Tensor, slots: torch.Tensor,
                query_positions: torch.Tensor, topk: int, key_format: KeyFormat,
                deterministic: bool = False) -> torch.Tensor:
-        """One request: keys [K, W] stored rows of positions 0..K-1, query_positions [T] -> [T, min(topk, K)] key
-        positions by indexer score among those <= the query's, -1 where fewer; a query with at most `topk` causal
-        keys takes all of them in position order. `deterministic`: ties to the earlier key, fixed tiles."""
+        """One request: slots [K], query_positions [T] -> [T, min(topk, K)] key positions by indexer score among
+        those <= the query's, -1 where fewer; a query with at most `topk` causal keys takes all of them.
+        `deterministic`: ties to the earlier key, fixed tiles (the torch reference's rule)."""
 
-    def batched(self, index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor,
+    def batched(self, index_q: torch.Tensor, index_weights: torch.Tensor, store: torch.Tensor, slots: torch.Tensor,
                 query_positions: torch.Tensor, topk: int, key_format: KeyFormat) -> torch.Tensor:
         """B requests of a few rows each (decode, verification): index_q [B, n, H, D], index_weights [B, n, H],
-        keys [B, K, W], query_positions [B, n] (-1 = padding row) -> [B, n, min(topk, K)] key positions."""
+        slots [B, K] (request b's positions 0..K_b-1 first; slots past K_b lie past every query and are never
+        picked), query_positions [B, n] (-1 = padding row) -> [B, n, min(topk, K)] key positions."""
 
 
 class SparseMLA(Protocol):

@@ -7,6 +7,7 @@ import torch
 from model_workers.kernels.interface import KernelSet, KeyFormat
 from model_workers.kernels.torch.experts import expert_slots, expert_sum, sum_in_expert_order
 from model_workers.kernels.torch.fp8_rows import Fp8Rows, PlainRows
+from model_workers.kernels.torch.gather import take_rows
 from model_workers.kernels.torch.indexer import indexer_scores
 from model_workers.kernels.torch.sparse_mla import sparse_mla_attention
 from model_workers.kernels.torch.topk import batched_causal_topk, causal_topk
@@ -17,14 +18,15 @@ def indexer_logits(index_q, index_weights, keys, key_format: KeyFormat) -> torch
 
 
 class TorchTopk:
-    def causal(self, index_q, index_weights, keys, query_positions, topk: int, key_format: KeyFormat,
+    def causal(self, index_q, index_weights, store, slots, query_positions, topk: int, key_format: KeyFormat,
                deterministic: bool = False) -> torch.Tensor:
-        return causal_topk(index_q, index_weights, keys, query_positions, topk, decode=key_format.decode,
-                           deterministic=deterministic)
+        return causal_topk(index_q, index_weights, take_rows(store, slots), query_positions, topk,
+                           decode=key_format.decode, deterministic=deterministic)
 
-    def batched(self, index_q, index_weights, keys, query_positions, topk: int,
+    def batched(self, index_q, index_weights, store, slots, query_positions, topk: int,
                 key_format: KeyFormat) -> torch.Tensor:
-        return batched_causal_topk(index_q, index_weights, keys, query_positions, topk, decode=key_format.decode)
+        return batched_causal_topk(index_q, index_weights, take_rows(store, slots), query_positions, topk,
+                                   decode=key_format.decode)
 
 
 class TorchSparseMLA:

@@ -15,9 +15,8 @@ import torch
 
 from model_workers.kernels.interface import KernelSet
 from model_workers.kernels.torch.batch_invariant import outside_mode
-from model_workers.kernels.torch.gather import take_rows
 from model_workers.models.common.streams import LOCAL_ROWS, LocalExperts, RowStream
-from model_workers.models.dsa.batch import ForwardBatch, pad_rows
+from model_workers.models.dsa.batch import ForwardBatch, pad_rows, padded_rows
 from model_workers.models.dsa.cache import PagedKVCache
 from model_workers.models.common.topk_sharing import TopkMemo
 
@@ -105,26 +104,26 @@ class DSABackend:
         for rows, key_slots in zip(batch.request_rows, batch.key_slots):
             if rows.numel() == 0:
                 continue
-            keys = take_rows(keys_store, key_slots)  # [K_r, W] stored rows
-            key_positions = self.kernels.topk.causal(index_q[rows], index_weights[rows], keys, batch.positions[rows],
-                                                     topk, key_format, deterministic=self.deterministic)  # [n, k_r]
+            key_positions = self.kernels.topk.causal(index_q[rows], index_weights[rows], keys_store, key_slots,
+                                                     batch.positions[rows], topk, key_format,
+                                                     deterministic=self.deterministic)  # [n, k_r]
             picked_slots = torch.where(key_positions >= 0, key_slots[key_positions.clamp_min(0)], -1)
             out[rows, : picked_slots.shape[1]] = picked_slots
 
     def _select_batched(self, layer_id, index_q, index_weights, topk, out) -> None:
         """Few rows per request (decode / verify): requests padded to the longest and scored together."""
         batch, device = self.batch, index_q.device
-        row_ids = pad_rows(list(batch.request_rows), -1, device)  # [B, n] rows into [T], -1 = pad
+        padded = padded_rows(batch.request_rows, device)
+        row_ids = padded.ids  # [B, n] rows into [T], -1 = pad
         key_slots = pad_rows(list(batch.key_slots), 0, device)  # [B, K] (pads lie past every position)
         positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
         safe_rows = row_ids.clamp_min(0)
-        keys = take_rows(self.cache.index_keys[layer_id], key_slots)  # [B, K, W] stored rows
-        key_positions = self.kernels.topk.batched(index_q[safe_rows], index_weights[safe_rows], keys, positions,
-                                                  topk, self.cache.index_format)
+        key_positions = self.kernels.topk.batched(index_q[safe_rows], index_weights[safe_rows],
+                                                  self.cache.index_keys[layer_id], key_slots, positions, topk,
+                                                  self.cache.index_format)  # [B, n, k]
         picked = torch.where(key_positions >= 0, key_slots.gather(1, key_positions.clamp_min(0).flatten(1))
                              .view_as(key_positions), -1)  # [B, n, k] slots
-        real = row_ids >= 0
-        out[row_ids[real], : picked.shape[2]] = picked[real]
+        out[padded.rows, : picked.shape[2]] = picked.flatten(0, 1)[padded.places]
 
     def routed_experts(self, layer_id: int, x, expert_ids, weights, experts) -> torch.Tensor:
         return self.experts.combine(x, expert_ids, weights, experts)
@@ -155,12 +154,12 @@ def all_causal_keys(batch: ForwardBatch, width: int) -> torch.Tensor:
         causal = torch.arange(slots.shape[0], device=device)[None, :] <= batch.positions[:, None]  # [T, K]
         out[:, : slots.shape[0]] = torch.where(causal, slots[None, :], -1)
         return out
-    row_ids = pad_rows(list(batch.request_rows), -1, device)  # [B, n] rows into [T], -1 = pad
+    padded = padded_rows(batch.request_rows, device)
+    row_ids = padded.ids  # [B, n] rows into [T], -1 = pad
     key_slots = pad_rows(list(batch.key_slots), -1, device)[:, :width]  # [B, K] slots of positions 0..K-1
     positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
     key_positions = torch.arange(key_slots.shape[1], device=device)  # [K]
     causal = key_positions[None, None, :] <= positions[:, :, None]  # [B, n, K]
     picked = torch.where(causal, key_slots[:, None, :], -1)  # [B, n, K]
-    real = row_ids >= 0
-    out[row_ids[real], : picked.shape[2]] = picked[real]
+    out[padded.rows, : picked.shape[2]] = picked.flatten(0, 1)[padded.places]
     return out

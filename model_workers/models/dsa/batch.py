@@ -67,6 +67,26 @@ def cp_batch(cache, tables: list[PageTable], meta: RankMetadata, page_size: int,
     )
 
 
+@dataclass(frozen=True)
+class PaddedRows:
+    """Requests' query rows padded to the longest request: `ids` [B, n] rows into [T] (-1 = pad), and the real
+    entries as places in the flattened [B * n] (`places` [R]) with their rows (`rows` [R]), built from the lengths
+    on the host, so scattering results back reads nothing from the device (no boolean-mask indexing)."""
+
+    ids: torch.Tensor
+    places: torch.Tensor
+    rows: torch.Tensor
+
+
+def padded_rows(request_rows: tuple[torch.Tensor, ...], device) -> PaddedRows:
+    ids = pad_rows(list(request_rows), -1, device)  # [B, n]
+    width = ids.shape[1]
+    places = torch.tensor([b * width + i for b, rows in enumerate(request_rows) for i in range(len(rows))],
+                          dtype=torch.long).to(device)  # [R]
+    rows = torch.cat(list(request_rows)) if request_rows else torch.zeros(0, dtype=torch.long, device=device)
+    return PaddedRows(ids, places, rows)
+
+
 def pad_rows(rows: list[torch.Tensor], fill: int, device) -> torch.Tensor:
     """1-D index tensors -> [len(rows), longest] padded with `fill`."""
     out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=torch.long, device=device)
