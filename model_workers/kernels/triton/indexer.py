@@ -75,16 +75,17 @@ def logits_rows(num_heads: int) -> int:
 
 def indexer_logits(index_q: torch.Tensor, index_weights: torch.Tensor, store: torch.Tensor, slots: torch.Tensor,
                    positions: torch.Tensor, layout: RowLayout, rows_per_group: int | None = None,
-                   block_k: int = 64) -> torch.Tensor:
+                   block_k: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
     """index_q [N, H, D], index_weights [N, H] (scales folded in), store [S, W] stored key rows, positions [N] (-1:
     padding row) -> logits [N, K] float32, -inf at keys after the row's position.
 
     slots [K] (one request's keys, every row reads them) or [G, K] with `rows_per_group` rows per group
-    (G requests of a few rows each: decode, verification)."""
+    (G requests of a few rows each: decode, verification). `out`: where to write (every entry is written)."""
     num_rows, heads, dim = index_q.shape
     shared = slots.dim() == 1
     num_keys = slots.shape[-1]
-    out = torch.empty(num_rows, num_keys, dtype=torch.float32, device=index_q.device)
+    if out is None:
+        out = torch.empty(num_rows, num_keys, dtype=torch.float32, device=index_q.device)
     if num_rows == 0 or num_keys == 0:
         return out
     if shared:

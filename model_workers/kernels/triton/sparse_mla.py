@@ -178,13 +178,14 @@ def split_count(rows: int, tiles_per_row: int, width: int, block_k: int) -> int:
 
 
 def sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, key_rows: torch.Tensor, key_ids: torch.Tensor,
-               scale: float, layout: RowLayout, splits: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+               scale: float, layout: RowLayout, splits: int | None = None, tiles: Tiles | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """q_latent [T, H, C], q_pe [T, H, R], key_rows [S, W] stored rows, key_ids [T, k] (-1 = none) -> [T, H, C].
-    `splits`: key splits (None: 1, the prefill path; `split_count` picks it for decode)."""
+    `splits`: key splits (None: 1, the prefill path; `split_count` picks it for decode); `out`: where to write."""
     rows, heads, latent = q_latent.shape
     rope = q_pe.shape[-1]
     q_latent, q_pe, key_ids = q_latent.contiguous(), q_pe.contiguous(), key_ids.contiguous()
-    out = torch.empty_like(q_latent)
+    out = torch.empty_like(q_latent) if out is None else out
     width = key_ids.shape[1]
     if rows == 0 or width == 0:
         return out.zero_()

@@ -1,0 +1,59 @@
+"""The whole model on the Triton kernel set, in Triton's interpreter on CPU: greedy tokens equal the torch kernel
+set's for DeepSeek-V3.2 (the default model, and a tiny random one with an MTP layer), GLM-5 with shared-indexer
+layers, both KV formats, and MTP speculation (k = 2) — prompts longer than index_topk, so the indexer selects.
+Float32 (the interpreter's bf16 arithmetic is not a GPU's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cluster.engine_setup import run_all, start_local_engine
+from cluster.engine_spec import EngineOptions
+from model_workers.checkpoint.model_dir import resolve_model_dir
+from support.engines import make_requests
+
+
+def tokens(folder, backend: str, kv_cache_dtype: str = "auto", k: int = 0, lens=(70, 20), max_tokens: int = 4,
+           vocab: int = 128) -> list[list[int]]:
+    options = EngineOptions("float32", num_pages=16, page_size=16, num_speculative_steps=k,
+                            kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
+    requests = make_requests(list(lens), max_tokens, vocab, prompt_seed=3, temperature=0.0, ignore_eos=True)
+    return [result["token_ids"] for result in run_all(start_local_engine(folder, options), requests)]
+
+
+def test_the_default_model_on_fp8_rows_decodes_the_torch_tokens():
+    folder = resolve_model_dir(None)  # 16 heads, index_topk 64: the 70-token prompt is scored and selected
+    run = dict(kv_cache_dtype="fp8_e4m3", lens=(70,), max_tokens=3, vocab=6000)
+    assert tokens(folder, "triton", **run) == tokens(folder, "torch", **run)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_mtp_speculation_on_triton_is_the_torch_plain_decode(reference_checkpoint, kv_cache_dtype):
+    _, folder = reference_checkpoint("v32", mtp=True)  # index_topk 8
+    plain = tokens(folder, "torch", kv_cache_dtype, lens=(20, 11), max_tokens=8)
+    assert tokens(folder, "triton", kv_cache_dtype, k=2, lens=(20, 11), max_tokens=8) == plain
+
+
+def test_glm5_shared_indexer_layers_decode_the_torch_tokens(reference_checkpoint):
+    _, folder = reference_checkpoint("glm_shared")  # index_topk 6, layers 1 and 3 reuse the top-k before them
+    assert tokens(folder, "triton", lens=(18, 9), max_tokens=8) == tokens(folder, "torch", lens=(18, 9), max_tokens=8)
+
+
+def test_generate_with_the_triton_backend_in_the_interpreter_prints_the_torch_tokens():
+    """`TRITON_INTERPRET=1 dsa-serve generate --attention-backend triton` on the default model (bf16 rows' path
+    with float32 values)."""
+    prompt = ",".join(str(3 + 7 * i % 500) for i in range(70))
+    runs = []
+    for backend in ("triton", "torch"):
+        done = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--prompt-ids", prompt,
+                               "--max-tokens", "3", "--dtype", "float32", "--attention-backend", backend, "--json"],
+                              env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout)["token_ids"])
+    assert runs[0] == runs[1] and len(runs[0]) == 3
