@@ -46,6 +46,7 @@ class EngineOptions:
     speculative_token_map: str = "auto"  # the draft head's vocabulary: auto, none or a file (draft_vocab.py)
     time_prefill_phases: bool = False  # ranks time prefill steps by phase (`bench prefill`; ~2 ms a step)
     attention_backend: str = DEFAULT_ATTENTION_BACKEND  # the ranks' kernel set (model_workers/kernels/registry.py)
+    disable_cuda_graph: bool = False  # SGLang's flag: no decode step from a CUDA graph (model_workers/decode_graphs.py)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
@@ -73,8 +74,9 @@ class EngineSpec:
     def rank(self) -> RankSpec:
         """What each of the group's ranks loads."""
         o = self.options
+        graph_shape = None if o.disable_cuda_graph else (o.max_num_seqs, self.max_model_len)
         return RankSpec(self.model, o.dtype, o.num_pages, o.page_size, self.cp.ep_size, o.kv_cache_dtype,
-                        o.deterministic, o.speculative_token_map, o.attention_backend)
+                        o.deterministic, o.speculative_token_map, o.attention_backend, graph_shape)
 
     @property
     def max_model_len(self) -> int:

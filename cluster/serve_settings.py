@@ -95,6 +95,7 @@ class ServeAppArgs(EngineLimits):
     kv_cache_dtype: KVCacheDTypeName = "auto"  # auto: keys in `dtype`; fp8_e4m3: docs/kv_cache.md, 'FP8 layout'
     enable_deterministic_inference: bool = False  # SGLang's name: batch-invariant ranks (bit-identical tokens)
     attention_backend: AttentionBackendName = DEFAULT_ATTENTION_BACKEND  # the ranks' kernel set (SGLang's flag)
+    disable_cuda_graph: bool = False  # SGLang's flag: decode steps never replayed from CUDA graphs
     device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token

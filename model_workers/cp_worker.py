@@ -94,15 +94,17 @@ class CPWorker:
             model.set_draft_vocab(resolve_token_map(spec.speculative_token_map, model_dir, model.config.vocab_size))
         prepacked = prepack_linear_weights(model)  # bf16 on a CPU with native bf16: oneDNN's layout, packed once
         self.exchange = ExpertExchange(self.comm, kernels.experts, spec.deterministic) if spec.ep_size > 1 else None
+        graph_shape = spec.graph_shape if self.device.type == "cuda" else None
         self.runner = ModelRunner(model, num_pages=spec.num_pages, page_size=spec.page_size, device=self.device,
                                   kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=spec.kv_cache_dtype,
-                                  deterministic=spec.deterministic, kernels=kernels)
+                                  deterministic=spec.deterministic, kernels=kernels, graph_shape=graph_shape)
         self.held, self.prefilling = {}, {}
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else None,
                 "draft_dtype": str(draft_dtype(model)).removeprefix("torch."),
-                "attention_backend": kernels.name, "prepacked_weights": prepacked, **self.weights_info()}
+                "attention_backend": kernels.name, "cuda_graphs": self.runner.decode_graphs is not None,
+                "prepacked_weights": prepacked, **self.weights_info()}
 
     def weights_info(self) -> dict:
         """What this rank holds: its routed experts, checkpoint bytes read (total and by weight class), and the

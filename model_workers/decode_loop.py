@@ -112,7 +112,7 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
     with clock.timed("plain"):
         items = [ExtendItem(s.table, [s.last_token]) for s in states]
-        hidden = runner.extend(items, is_extend=False, rows=group_rows(runner, counts, 1, False))  # [B, D]
+        hidden = runner.decode(items, rows=group_rows(runner, counts, 1, False))  # [B, D]
         logits = model.logits(hidden)  # [B, V] float32
     clock.steps["plain"] += 1
     argmax = logits.argmax(-1).tolist()  # [B]

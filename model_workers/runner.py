@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cp_router.pages import pages_for
+from model_workers.decode_graphs import DecodeGraphs, graphs_allowed
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, dp_forward_rows
 from model_workers.kernels.interface import KernelSet
 from model_workers.kernels.registry import kernel_set
@@ -43,19 +44,23 @@ def make_cache(model, family: ModelFamily, num_pages: int, page_size: int, dtype
 class ModelRunner:
     def __init__(self, model, num_pages: int, page_size: int = 64, device="cpu", kv_dtype: torch.dtype | None = None,
                  exchange: ExpertExchange | None = None, kv_cache_dtype: str = "auto", deterministic: bool = False,
-                 kernels: KernelSet | None = None):
+                 kernels: KernelSet | None = None, graph_shape: tuple[int, int] | None = None):
         """model: any family's (the registry finds it); kv_dtype: the weights' storage dtype, which
         kv_cache_dtype="auto" keeps keys in (default: the model's); kv_cache_dtype: "auto", "bfloat16" or
         "fp8_e4m3"; exchange: the expert-parallel group, if any; deterministic: batch-invariant backends (the
-        caller runs forwards under `BatchInvariantMode`); kernels: the kernel set (default: torch)."""
+        caller runs forwards under `BatchInvariantMode`); kernels: the kernel set (default: torch); graph_shape:
+        (largest batch, longest request) of plain decode steps to run from CUDA graphs (decode_graphs.py) where
+        the forward allows it (captured on CUDA; elsewhere the same static buffers run without a graph)."""
         self.model, self.device, self.page_size = model, torch.device(device), page_size
         self.family, self.kernels = family_of(model.config), kernels or kernel_set()
-        dtype = kv_dtype or model.model.embed_tokens.weight.dtype
-        self.cache = make_cache(model, self.family, num_pages, page_size, dtype, self.device, kv_cache_dtype,
-                                self.kernels)
         self.exchange = exchange
         self.deterministic = deterministic
+        graphs = graph_shape is not None and graphs_allowed(self)
+        dtype = kv_dtype or model.model.embed_tokens.weight.dtype
+        self.cache = make_cache(model, self.family, num_pages + graphs, page_size, dtype, self.device,
+                                kv_cache_dtype, self.kernels)  # graphs: one more page, the padding rows' scratch
         self.backend = self.family.make_backend(self.cache, self.kernels, exchange, deterministic)
+        self.decode_graphs = DecodeGraphs(self, *graph_shape, capture=self.device.type == "cuda") if graphs else None
 
     def bound_backend(self, items: list[ExtendItem], topk_memo=None):
         """The runner's backend bound to one forward over `items` on this rank (`topk_memo`: MTP index sharing)."""
@@ -84,6 +89,17 @@ class ModelRunner:
             rows = dp_forward_rows(self.exchange.sync_rows(num_rows), self.exchange.ep_rank, is_extend)
         self.exchange.begin_forward(rows)
         return rows
+
+    def decode(self, items: list[ExtendItem], rows: ForwardRows | None = None) -> torch.Tensor:
+        """One token per request (a plain decode step): replayed from a CUDA graph where one holds the batch, else
+        `extend`; hidden [B, D], the tables moved on."""
+        if self.decode_graphs is not None and self.exchange is None:
+            for item in items:
+                self.cache.check_room(item.table, item.table.num_tokens + 1)
+            hidden = self.decode_graphs.decode([item.table for item in items], [item.token_ids[0] for item in items])
+            if hidden is not None:
+                return hidden
+        return self.extend(items, is_extend=False, rows=rows)
 
     @torch.inference_mode()
     def extend(self, items: list[ExtendItem], is_extend: bool = True, rows: ForwardRows | None = None) -> torch.Tensor:

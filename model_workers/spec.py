@@ -50,6 +50,9 @@ class RankSpec:
     deterministic: bool = False  # --enable-deterministic-inference: batch-invariant steps
     speculative_token_map: str = "auto"  # the draft head's vocabulary (checkpoint/draft_vocab.py)
     attention_backend: str = DEFAULT_ATTENTION_BACKEND  # the kernel set (model_workers/kernels/registry.py)
+    # (largest batch, longest request) of plain decode steps captured in CUDA graphs on a CUDA rank where the
+    # forward allows it (model_workers/decode_graphs.py); None: --disable-cuda-graph
+    graph_shape: tuple[int, int] | None = None
 
 
 def stored_dtype(raw: dict) -> str:

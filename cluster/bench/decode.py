@@ -18,6 +18,7 @@ import time
 from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
 from cluster.commands.args import (
     add_attention_backend_argument,
+    add_cuda_graph_argument,
     add_deterministic_argument,
     add_dtype_argument,
     add_speculative_argument,
@@ -45,6 +46,7 @@ def add_parser(kinds) -> None:
                         help="passes over the prompts per configuration; the ks of a batch size take turns")
     add_deterministic_argument(decode)
     add_attention_backend_argument(decode)
+    add_cuda_graph_argument(decode)
     decode.add_argument("--ray", action="store_true",
                         help="decode on a Ray worker actor as `serve` does (default: a worker in this process)")
     decode.add_argument("--json", action="store_true", help="print one JSON object")
@@ -71,7 +73,8 @@ def measure_batch(model_dir, ks: list[int], batch: int, args) -> list[dict]:
                                 num_speculative_steps=k, max_steps_per_call=args.steps_per_call,
                                 deterministic=args.enable_deterministic_inference,
                                 speculative_token_map=args.speculative_token_map,
-                                attention_backend=args.attention_backend) for k in ks}
+                                attention_backend=args.attention_backend,
+                                disable_cuda_graph=args.disable_cuda_graph) for k in ks}
     engines, close = open_engines(model_dir, options, args.ray)
 
     def requests(tag: str, max_tokens: int, first: int):

@@ -66,6 +66,12 @@ def add_attention_backend_argument(parser: argparse.ArgumentParser) -> None:
                              " only in Triton's interpreter, TRITON_INTERPRET=1)")
 
 
+def add_cuda_graph_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--disable-cuda-graph", action="store_true",
+                        help="run every decode step eagerly (SGLang's flag); by default a CUDA rank on the triton"
+                             " kernel set replays plain decode steps from CUDA graphs captured per batch size")
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--device", choices=get_args(DeviceName), default=default)
 
@@ -113,6 +119,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     add_kv_cache_dtype_argument(parser)
     add_deterministic_argument(parser)
     add_attention_backend_argument(parser)
+    add_cuda_graph_argument(parser)
     add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
     add_placement_argument(parser)
     add_limit_arguments(parser)

@@ -74,7 +74,7 @@ def app_args(args: argparse.Namespace):
              "enable_auto_tool_choice", "cp_size", "cp_strategy", "cp_impl", "ep_size", "speculative_num_steps",
              "speculative_token_map",
              "dtype", "kv_cache_dtype", "device", "engine_placement", "enable_deterministic_inference",
-             "attention_backend")
+             "attention_backend", "disable_cuda_graph")
     fields = {name: getattr(args, name) for name in names}
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
         fields["drain_timeout_s"] = args.drain_timeout_s

@@ -45,6 +45,9 @@ class ModelFamily:
     kv_plan: Callable[..., dict]  # (config, plan kv dtype, weight bytes, device GiB or None) -> the plan's KV part
     kv_summary: Callable[[dict], str]  # (the plan) -> its KV part as one line of text (`dsa-serve plan`)
     kv_formulas: Callable[[str], dict]  # (kv dtype) -> the gather and per-token byte formulas as text (benchmarks)
+    # the batch type a decode step captured in a CUDA graph runs (model_workers/decode_graphs.py), built from static
+    # tensors (positions, request_rows, key_slots, write_slots); None: its decode is not graph-safe yet
+    graph_batch: Callable[..., Any] | None = None
     # (config, length, logit_rows, mtp_sparse) -> model FLOPs of one prefill by part and phase; None: not counted
     prefill_flops: Callable[..., dict] | None = None
     random_checkpoint: Callable[..., Path] | None = None  # (out, shape, seed, dtype): `dsa-serve random-checkpoint`

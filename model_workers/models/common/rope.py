@@ -68,8 +68,15 @@ class RotaryTable:
     dimension (`RotaryTable.of(spec, dim)`: DeepSeek-V4's main and compress tables)."""
 
     def __init__(self, config=None):
+        self._copies: dict[torch.device, torch.Tensor] = {}  # inv_freq on each device it was used on
         if config is not None:
             self.inv_freq, self.scaling = inverse_frequencies(config.rope, config.qk_rope_head_dim)
+
+    def frequencies_on(self, device: torch.device) -> torch.Tensor:
+        """inv_freq on `device`, copied there once (a forward captured in a CUDA graph must not copy from the host)."""
+        if device not in self._copies:
+            self._copies[device] = self.inv_freq.to(device)
+        return self._copies[device]
 
     @classmethod
     def of(cls, rope: RopeSpec, dim: int) -> "RotaryTable":
@@ -79,7 +86,7 @@ class RotaryTable:
 
     def for_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) each [T, rope_dim/2] in float32 (scaling folded in)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        freqs = positions.to(torch.float32)[:, None] * self.frequencies_on(positions.device)[None, :]
         return freqs.cos() * self.scaling, freqs.sin() * self.scaling
 
 

@@ -31,4 +31,5 @@ FAMILY = ModelFamily(
     kv_formulas=capacity.kv_formulas,
     kv_summary=capacity.kv_summary,
     prefill_flops=flops.prefill_flops,
+    graph_batch=batch.ForwardBatch,
 )

@@ -16,7 +16,7 @@ import torch
 from model_workers.kernels.interface import KernelSet
 from model_workers.kernels.torch.batch_invariant import outside_mode
 from model_workers.models.common.streams import LOCAL_ROWS, LocalExperts, RowStream
-from model_workers.models.dsa.batch import ForwardBatch, pad_rows, padded_rows
+from model_workers.models.dsa.batch import ForwardBatch, PaddedRows, pad_rows, padded_rows
 from model_workers.models.dsa.cache import PagedKVCache
 from model_workers.models.common.topk_sharing import TopkMemo
 
@@ -40,6 +40,7 @@ class DSABackend:
         self._all_keys: dict[int, torch.Tensor] = {}  # width -> `all_causal_keys` of the bound batch
         self._max_keys = 0  # the bound batch's most keys of one request
         self.decodes = False  # the bound batch has few rows per request
+        self._padded = None  # its requests' rows padded (several requests)
 
     def bind(self, batch: ForwardBatch, rows: RowStream = LOCAL_ROWS, topk_memo: TopkMemo | None = None):
         """This backend for one forward over `batch`; `rows`: how the batch's keys reach this process."""
@@ -50,6 +51,9 @@ class DSABackend:
         self._max_keys = max((len(s) for s in batch.key_slots), default=0)
         # few rows per request (decode, verification, drafts): the kernels' decode paths
         self.decodes = max((len(r) for r in batch.request_rows), default=0) <= BATCHED_TOPK_MAX_ROWS
+        # the requests' rows padded to the longest, built here from the host's lengths once a forward (a forward
+        # captured in a CUDA graph must not copy from the host while it runs)
+        self._padded = padded_rows(batch.request_rows, batch.positions.device) if len(batch.request_rows) > 1 else None
         return self
 
     def store_kv(self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
@@ -90,7 +94,7 @@ class DSABackend:
                 raise ValueError(f"layer {layer_id}: top-{topk} of up to {self._max_keys} keys needs the indexer's "
                                  "queries (needs_index_scores is True), got None")
             if width not in self._all_keys:  # the same for every layer of the forward
-                self._all_keys[width] = all_causal_keys(batch, width)
+                self._all_keys[width] = all_causal_keys(batch, width, self._padded)
             return self._all_keys[width]
         out = torch.full((batch.num_rows, width), -1, dtype=torch.long, device=index_q.device)
         if not self.deterministic and len(batch.request_rows) > 1 and self.decodes:
@@ -112,8 +116,7 @@ class DSABackend:
 
     def _select_batched(self, layer_id, index_q, index_weights, topk, out) -> None:
         """Few rows per request (decode / verify): requests padded to the longest and scored together."""
-        batch, device = self.batch, index_q.device
-        padded = padded_rows(batch.request_rows, device)
+        batch, device, padded = self.batch, index_q.device, self._padded
         row_ids = padded.ids  # [B, n] rows into [T], -1 = pad
         key_slots = pad_rows(list(batch.key_slots), 0, device)  # [B, K] (pads lie past every position)
         positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
@@ -142,7 +145,7 @@ def selection_width(max_keys: int, topk: int) -> int:
     return min(topk, -(-max_keys // KEY_WIDTH_STEP) * KEY_WIDTH_STEP)
 
 
-def all_causal_keys(batch: ForwardBatch, width: int) -> torch.Tensor:
+def all_causal_keys(batch: ForwardBatch, width: int, padded: PaddedRows | None = None) -> torch.Tensor:
     """[T, width] slots: each query's causal keys (positions 0..p) in position order, then -1. What the top-k
     selection picks when no query has more than `width` keys, whatever the scores (`pick_causal`)."""
     device = batch.positions.device
@@ -154,7 +157,7 @@ def all_causal_keys(batch: ForwardBatch, width: int) -> torch.Tensor:
         causal = torch.arange(slots.shape[0], device=device)[None, :] <= batch.positions[:, None]  # [T, K]
         out[:, : slots.shape[0]] = torch.where(causal, slots[None, :], -1)
         return out
-    padded = padded_rows(batch.request_rows, device)
+    padded = padded or padded_rows(batch.request_rows, device)
     row_ids = padded.ids  # [B, n] rows into [T], -1 = pad
     key_slots = pad_rows(list(batch.key_slots), -1, device)[:, :width]  # [B, K] slots of positions 0..K-1
     positions = torch.where(row_ids >= 0, batch.positions[row_ids.clamp_min(0)], -1)  # [B, n]
