@@ -86,7 +86,13 @@ class LocalComm:
 
 
 class ProcessGroupComm(LocalComm):
-    """The CP group: gloo on CPU, NCCL on CUDA, rendezvous over TCP at rank 0's address."""
+    """The CP group: gloo on CPU, NCCL on CUDA, rendezvous over TCP at rank 0's address.
+
+    Every collective runs on both backends with the same calls and byte accounting: all_gather_single (CP gathers of
+    KV rows, hidden states, token ids, row counts: uint8 FP8 bytes, bf16 / fp32 rows, int64 ids), all_to_all_single
+    with uneven splits (the expert exchange) and reduce_scatter_tensor. On CUDA the rank's device is set before the
+    group forms and bound to it (NCCL's communicators are per device), and a collective's seconds include the wait
+    for its device work (a synchronize: the counters measure transfer time, not launch time)."""
 
     def __init__(
         self, master_addr: str, master_port: int, cp_rank: int, cp_size: int, device: torch.device,
@@ -94,13 +100,16 @@ class ProcessGroupComm(LocalComm):
     ):
         super().__init__()
         self.cp_rank, self.cp_size, self.device = cp_rank, cp_size, torch.device(device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(self.device)  # the one GPU Ray made visible to this rank's actor
         dist.init_process_group(
-            backend,
+            "nccl" if on_cuda else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=cp_rank,
             world_size=cp_size,
             timeout=timedelta(seconds=timeout_s),
+            device_id=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None,
         )
 
     def all_gather_rows(self, x_padded: torch.Tensor, tag: str = "other") -> torch.Tensor:
@@ -135,8 +144,8 @@ class ProcessGroupComm(LocalComm):
         if not dist.is_initialized():
             return
         try:
-            dist.group.WORLD.abort()
-        except RuntimeError:  # a backend without abort: destroying the group closes its connections too
+            dist.group.WORLD.abort()  # NCCL: aborts its communicators, so a peer blocked in one fails at once
+        except (RuntimeError, AttributeError):  # a backend without abort: destroying the group closes them too
             pass
         dist.destroy_process_group()
 
