@@ -57,3 +57,14 @@ def test_generate_with_the_triton_backend_in_the_interpreter_prints_the_torch_to
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout)["token_ids"])
     assert runs[0] == runs[1] and len(runs[0]) == 3
+
+
+def test_deepseek_v4_on_the_triton_set_decodes_the_torch_tokens(tmp_path):
+    """V4's attention stays on its torch code under the Triton set (docs/gpu.md); its routed experts run the
+    grouped-GEMM kernels (the quantized checkpoint's experts are dequantized at load; the kernels' FP8-weight path
+    is tested in test_triton_experts.py), with MTP k = 1."""
+    from support.v4_checkpoints import v4_checkpoint_with_mtp
+
+    _, _, folder = v4_checkpoint_with_mtp(tmp_path / "v4", quantized=True)
+    plain = tokens(folder, "torch", lens=(20, 9), max_tokens=6)
+    assert tokens(folder, "triton", k=1, lens=(20, 9), max_tokens=6) == plain
