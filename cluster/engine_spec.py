@@ -131,5 +131,5 @@ def resolve_engine_spec(model: ModelSpec | str | Path | None, cp: ResolvedCPConf
                          "batch-invariant yet (its compressed attention pools data-dependent shapes); serve it "
                          "without the flag")
     device = "cuda" if options.use_gpu else "cpu"
-    resolve_backend(options.attention_backend, device)  # a set that cannot run there fails here, not in a rank
+    resolve_backend(options.attention_backend, device, options.deterministic)  # a set that cannot run there fails here, not in a rank
     return EngineSpec(model, cp, replace(options, dtype=resolve_dtype_name(options.dtype, model, device)))

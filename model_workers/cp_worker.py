@@ -84,7 +84,7 @@ class CPWorker:
             raise ValueError(f"ep_size must be 1 or cp_size={self.cp_size}, got {spec.ep_size}")
         model_dir = str(spec.model.path)
         storage, progress = storage_dtype(spec.dtype), LoadProgress(self.cp_rank, model_dir)  # lines on the console
-        kernels = kernel_set(spec.attention_backend, self.device.type)  # `auto`: by this rank's device
+        kernels = kernel_set(spec.attention_backend, self.device.type, spec.deterministic)  # `auto`: by device, mode
         model, self.load_report = load_model_with_report(
             spec.model, dtype=compute_dtype(storage, self.device), device=self.device, progress=False,
             ep_rank=self.cp_rank if spec.ep_size > 1 else 0, ep_size=spec.ep_size, on_read=progress.read)

@@ -24,6 +24,7 @@ AUTO = "auto"
 ATTENTION_BACKENDS = (AUTO, *KERNEL_SET_MODULES)
 DEFAULT_ATTENTION_BACKEND = AUTO
 REFERENCE_BACKEND = "torch"
+BATCH_INVARIANT_BACKENDS = ("torch",)  # sets that carry the deterministic mode (docs/deterministic_inference.md)
 
 
 def triton_interpreted() -> bool:
@@ -31,14 +32,19 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_backend(name: str, device_type: str) -> str:
-    """`name` with `auto` resolved for a rank on `device_type` ("cuda" | "cpu"); a ValueError naming the allowed
-    values, or saying what a set needs, when `name` cannot run there."""
+def resolve_backend(name: str, device_type: str, deterministic: bool = False) -> str:
+    """`name` with `auto` resolved for a rank on `device_type` ("cuda" | "cpu"), batch-invariant when
+    `deterministic`; a ValueError naming the allowed values, or saying what a set needs, when `name` cannot run
+    there."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     has_triton = importlib.util.find_spec("triton") is not None
     if name == AUTO:
-        return "triton" if device_type == "cuda" and has_triton else REFERENCE_BACKEND
+        return "triton" if device_type == "cuda" and has_triton and not deterministic else REFERENCE_BACKEND
+    if deterministic and name not in BATCH_INVARIANT_BACKENDS:
+        raise ValueError(f"--enable-deterministic-inference runs on the attention_backend "
+                         f"{' or '.join(BATCH_INVARIANT_BACKENDS)} (or auto) only: the {name} kernels' splits and "
+                         "tiles follow the batch size, so their results do")
     if name == "triton" and not has_triton:
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton); allowed "
                          "here: auto, torch")
@@ -48,6 +54,6 @@ def resolve_backend(name: str, device_type: str) -> str:
     return name
 
 
-def kernel_set(name: str = REFERENCE_BACKEND, device_type: str = "cpu") -> KernelSet:
-    """The kernel set called `name` (`auto` resolved for `device_type`), its module imported now."""
-    return importlib.import_module(KERNEL_SET_MODULES[resolve_backend(name, device_type)]).KERNELS
+def kernel_set(name: str = REFERENCE_BACKEND, device_type: str = "cpu", deterministic: bool = False) -> KernelSet:
+    """The kernel set called `name` (`auto` resolved for `device_type` and `deterministic`), imported now."""
+    return importlib.import_module(KERNEL_SET_MODULES[resolve_backend(name, device_type, deterministic)]).KERNELS

@@ -1,5 +1,6 @@
 """`--attention-backend`: auto resolves by the rank's device, the Triton set runs on a CPU only in Triton's
-interpreter and is refused with one line otherwise, and an unknown name names the allowed ones."""
+interpreter and is refused with one line otherwise, deterministic inference runs on the batch-invariant torch set
+only, and an unknown name names the allowed ones."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 
 import pytest
 
+from cluster.engine_setup import start_local_engine
+from cluster.engine_spec import EngineOptions
 from model_workers.kernels.registry import resolve_backend
 
 
@@ -22,6 +25,15 @@ def test_triton_runs_on_a_cpu_in_the_interpreter_only(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="runs only in Triton's interpreter: set TRITON_INTERPRET=1"):
         resolve_backend("triton", "cpu")
+
+
+def test_deterministic_inference_resolves_auto_to_torch_and_refuses_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("auto", "cuda", deterministic=True) == "torch"
+    with pytest.raises(ValueError, match="--enable-deterministic-inference runs on the attention_backend torch"):
+        resolve_backend("triton", "cuda", deterministic=True)
+    with pytest.raises(ValueError, match="--enable-deterministic-inference runs on the attention_backend torch"):
+        start_local_engine(None, EngineOptions(deterministic=True, attention_backend="triton"))
 
 
 def test_an_unknown_backend_names_the_allowed_ones():
