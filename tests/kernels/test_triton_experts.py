@@ -1,5 +1,5 @@
 """The Triton MoE expert loop (model_workers/kernels/triton/experts.py) against the torch reference loop, in
-Triton's interpreter on CPU (tests/kernels/conftest.py): slots, sums and the expert-order sum; ids of -1 and
+Triton's interpreter on CPU (set in tests/conftest.py): slots, sums and the expert-order sum; ids of -1 and
 experts held elsewhere (EP); swiglu_limit; sizes that are not multiples of the tiles; FP8 block-quantized
 weights against their dequantized copy; outputs poisoned with NaN first; and no host sync in the launch.
 

@@ -1,5 +1,5 @@
 """The Triton FP8 row writer (model_workers/kernels/triton/fp8_rows.py) against the torch encoder, byte for byte,
-in Triton's interpreter on CPU (tests/kernels/conftest.py): all-zero blocks, huge, tiny and subnormal values,
+in Triton's interpreter on CPU (set in tests/conftest.py): all-zero blocks, huge, tiny and subnormal values,
 ratios that are exact powers of two, every e4m3 value and every rounding tie, q not a multiple of 128, p = 0 and
 p > 0, bf16 and strided input; outputs poisoned with 0xFF bytes first."""
 
