@@ -1,6 +1,7 @@
 """The prepared GPU check (issue 45): one run on a lent H100 / H200 that measures what the Triton kernel set does
 there, time-boxed to about 7 minutes, with no network and nothing beyond torch and triton (no Ray, pydantic or
-transformers; safetensors and tqdm are stood in for when missing). From the repository root:
+transformers: the lent machines' image has torch, triton, safetensors, tqdm and numpy; a package missing there
+travels as a wheel). From the repository root:
 
     python tools/gpu_check.py --out DIR             # on a CUDA machine (exits 2 without one)
     python tools/gpu_check.py --dry-run --out DIR   # on a CPU: tiny shapes, kernels in Triton's interpreter
@@ -55,11 +56,11 @@ def prepare_environment(dry_run: bool) -> None:
             sys.path.insert(0, path)
 
 
-def device_meta(torch, device, mode: str, fallbacks: list[str]) -> dict:
+def device_meta(torch, device, mode: str) -> dict:
     import triton
 
     meta = {"mode": mode, "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "cuda_runtime": torch.version.cuda, "fallback_packages": fallbacks, "argv": sys.argv[1:],
+            "cuda_runtime": torch.version.cuda, "argv": sys.argv[1:],
             "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1", "nvcc": shutil.which("nvcc")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -99,9 +100,6 @@ def model_cases(run, plan, device, entry: dict) -> None:
 
 
 def run_check(args, torch, device, mode: str) -> int:
-    from gpu_check import fallbacks
-
-    installed = fallbacks.install()
     from gpu_check.ceilings import measure_ceilings
     from gpu_check.kernel_section import kernel_cases, targets
     from gpu_check.measure import Timer
@@ -113,7 +111,7 @@ def run_check(args, torch, device, mode: str) -> int:
     plan = plan_for(mode)
     budget = args.budget_s or plan.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
-    run = Run(args.out, budget, device_meta(torch, device, mode, installed))
+    run = Run(args.out, budget, device_meta(torch, device, mode))
     run.cleanup = lambda: _free(torch, device)
     run.start_watchdog()
     timer = Timer(device, plan.reps, plan.target_ms)
