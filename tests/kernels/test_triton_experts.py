@@ -3,7 +3,7 @@ Triton's interpreter on CPU (set in tests/conftest.py): slots, sums and the expe
 experts held elsewhere (EP); swiglu_limit; sizes that are not multiples of the tiles; FP8 block-quantized
 weights against their dequantized copy; outputs poisoned with NaN first; and no host sync in the launch.
 
-Float32 operands throughout: the interpreter's bf16 arithmetic is not the GPU's (tests/kernels/conftest.py)."""
+Float32 operands throughout: the interpreter's bf16 arithmetic is not the GPU's (tests/conftest.py)."""
 
 from __future__ import annotations
 
