@@ -15,9 +15,10 @@ one item per call for all the requests of one ingress replica.
 * A channel with no request for `idle_close_s` ends itself: Serve counts an open channel as an ongoing request,
   and a replica Serve stops waits for its ongoing requests (drain_timeout_s). The ingress opens it again on
   demand.
-* `ChannelRouter` (Serve's power-of-two router otherwise) sends a `channel` call to the replica it names. A
-  config that sets its own request_router_config for DSAEngine replaces it: a channel that then reaches another
-  replica is refused, and that replica's requests keep streaming on their own streams (slower, same tokens).
+* DSAEngine's request router (`EngineRouter`, cluster/engine_router.py) sends a `channel` call to the replica
+  it names. A config that sets its own request_router_config for DSAEngine replaces it: a channel that then
+  reaches another replica is refused, and that replica's requests keep streaming on their own streams (slower,
+  same tokens).
 The ingress side is cluster/channel_inbox.py.
 """
 
@@ -28,11 +29,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-
 from cp_router.protocol import EngineChunk, EngineUnavailableError
 
-CHANNEL_METHOD = "channel"  # the DSAEngine method ChannelRouter routes by its `target_replica` argument
+CHANNEL_METHOD = "channel"  # the DSAEngine method EngineRouter routes by its `target_replica` argument
 CHANNEL_IDLE_CLOSE_S = 5.0
 
 
@@ -95,7 +94,7 @@ class ChannelHost:
 
     async def channel(self, ingress_id: str, target_replica: str) -> AsyncIterator[object]:
         """The stream of one ingress's channel: `ChannelOpened`, then batches of (request_id, chunk)."""
-        if target_replica != self.replica_id:  # routed by ChannelRouter; a mismatch would mix up routes
+        if target_replica != self.replica_id:  # routed by EngineRouter; a mismatch would mix up routes
             raise EngineUnavailableError(f"channel for replica {target_replica} reached replica {self.replica_id}")
         previous = self.outboxes.pop(ingress_id, None)
         if previous is not None:
@@ -129,13 +128,3 @@ class ChannelHost:
         finally:
             outbox.users -= 1
 
-
-class ChannelRouter(PowerOfTwoChoicesRequestRouter):
-    """Serve's power-of-two-choices router, except that a `channel` call goes to the replica it names."""
-
-    async def choose_replicas(self, candidate_replicas, pending_request=None):
-        if pending_request is not None and pending_request.metadata.call_method == CHANNEL_METHOD:
-            target = pending_request.kwargs.get("target_replica")
-            chosen = [replica for replica in candidate_replicas if replica.replica_id.unique_id == target]
-            return [chosen] if chosen else []  # gone: Serve retries until the opener's timeout cancels the call
-        return await super().choose_replicas(candidate_replicas, pending_request)

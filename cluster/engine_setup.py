@@ -28,7 +28,7 @@ def engine_over_workers(spec: EngineSpec, workers: list, metrics: ServeMetrics |
     model = spec.model
     text = text or load_checkpoint_text(model.path, model_type=model.config.model_type)
     info = ModelInfo(model.name, model.config.vocab_size, spec.max_model_len, text.chat_template is not None)
-    return GenerationEngine(workers, scheduler_for(spec.cp, spec.options), text.tokenizer, info, metrics,
+    return GenerationEngine(workers, scheduler_for(spec.cp, spec.options, spec.model), text.tokenizer, info, metrics,
                             max_waiting=spec.options.max_queued_requests, repair=repair)
 
 

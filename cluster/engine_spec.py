@@ -47,6 +47,7 @@ class EngineOptions:
     time_prefill_phases: bool = False  # ranks time prefill steps by phase (`bench prefill`; ~2 ms a step)
     attention_backend: str = DEFAULT_ATTENTION_BACKEND  # the ranks' kernel set (model_workers/kernels/registry.py)
     disable_cuda_graph: bool = False  # SGLang's flag: no decode step from a CUDA graph (model_workers/decode_graphs.py)
+    enable_prefix_caching: bool = True  # reuse cached prompt prefixes (--disable-radix-cache turns it off)
 
     def __post_init__(self):
         check_speculative_steps(self.num_speculative_steps)
@@ -83,7 +84,8 @@ class EngineSpec:
         return effective_max_model_len(self.model.config.max_position_embeddings, self.options)
 
 
-def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
+def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions, model: ModelSpec | None = None) -> Scheduler:
+    """The engine's scheduler; `model` gives its family's prefix-cache hit rule (None: page boundaries)."""
     if cp.cp_size > 1 and not cp.enabled:
         raise ValueError(f"cp_size={cp.cp_size} needs prefill CP enabled")
     strategy = cp.strategy or "zigzag"
@@ -92,10 +94,13 @@ def scheduler_for(cp: ResolvedCPConfig, options: EngineOptions) -> Scheduler:
     if budget < 2 * align:
         raise ValueError(f"prefill_token_budget (--max-num-batched-tokens) must be >= {2 * align} (twice the CP "
                          f"alignment), got {budget}")
+    hit_align, snapshots = (options.page_size, False) if model is None else \
+        model.family.prefix_hits(model.config, options.page_size)
     return Scheduler(SchedulerConfig(
         cp.cp_size, options.num_pages, options.page_size, budget, strategy, cp.impl,
         options.num_speculative_steps, options.max_steps_per_call, options.return_logits, cp.expert_parallel,
         options.max_num_seqs, options.cp_min_prefill_tokens, options.time_prefill_phases,
+        options.enable_prefix_caching, hit_align, snapshots,
     ))
 
 
@@ -122,7 +127,7 @@ def resolve_engine_spec(model: ModelSpec | str | Path | None, cp: ResolvedCPConf
     """The options checked against the scheduler's rules and the model's family (a KV format its cache cannot
     hold, deterministic inference where it is not batch-invariant), `dtype` "auto" resolved: before any launch."""
     model = as_model_spec(model)
-    scheduler_for(cp, options)
+    scheduler_for(cp, options, model)
     family, model_type = model.family, model.config.model_type
     check_kv_cache_dtype(options.kv_cache_dtype, family.kv_cache_dtypes, model_type)
     if options.deterministic and not family.batch_invariant:

@@ -37,7 +37,8 @@ def engine_options(args: ServeAppArgs, model: ModelSpec | str | Path | None) -> 
                          num_speculative_steps=args.speculative_num_steps, use_gpu=args.device == "cuda",
                          deterministic=args.enable_deterministic_inference,
                          speculative_token_map=args.speculative_token_map, attention_backend=args.attention_backend,
-                         disable_cuda_graph=args.disable_cuda_graph, **limits)
+                         disable_cuda_graph=args.disable_cuda_graph,
+                         enable_prefix_caching=args.prefix_caching_enabled, **limits)
 
 
 def serve_engine_spec(args: ServeAppArgs, model: ModelSpec | None = None) -> EngineSpec:

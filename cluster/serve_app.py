@@ -13,7 +13,8 @@ Placement: an engine replica (DSAEngine or DSAServer) runs in a placement group 
 `autoscaling_config` of the deployment apply as they are. The rank actors are owned by the replica and die
 with it. Health: Serve calls the replica's `check_health` every `health_check_period_s`; it raises when a
 rank actor is dead (its ping fails) or the step loop stopped or made no progress while it had work, and
-Serve replaces the replica. Aborts and metrics (separate placement): see cluster/serve_client.py.
+Serve replaces the replica. Aborts and metrics (separate placement): see cluster/serve_client.py; which engine
+replica takes a call: cluster/engine_router.py.
 
 Direct ingress (`direct_ingress_port`; `dsa-serve serve`'s default with one HTTP replica): each HTTP replica also
 serves its app on that port itself, from its own event loop (cluster/direct_ingress.py), and drains those requests
@@ -43,7 +44,8 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from cluster.direct_ingress import DirectIngressServer
-from cluster.engine_channel import ChannelHost, ChannelRouter
+from cluster.engine_channel import ChannelHost
+from cluster.engine_router import EngineRouter
 from cluster.http_api.ingress import build_app
 from cluster.http_api.utility_routes import RequestIdMiddleware
 from cluster.replica_engine import engine_bundles, replica_text, serve_engine_spec, start_replica_engine
@@ -97,6 +99,9 @@ class DSAEngine:
 
     async def metrics_text(self) -> str:
         return await self.engine.metrics_text()
+
+    async def flush_cache(self) -> int:
+        return await self.engine.flush_cache()
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -233,6 +238,13 @@ def http_deployment(args: ServeAppArgs) -> str:
     return SERVER_DEPLOYMENT if args.engine_placement == "colocated" else INGRESS_DEPLOYMENT
 
 
+def engine_router_config(args: ServeAppArgs) -> RequestRouterConfig:
+    """DSAEngine's router (cluster/engine_router.py): token channels to their replica; prompts by prefix, in blocks
+    of the KV page size, when both prefix-aware routing and the engines' prefix caches are on."""
+    kwargs = {"prefix_aware": args.prefix_aware_routing and args.prefix_caching_enabled, "block_tokens": args.page_size}
+    return RequestRouterConfig(request_router_class=EngineRouter, request_router_kwargs=kwargs)
+
+
 def build_application(args: ServeAppArgs, engine_replicas: int | None = None) -> Application:
     """The app of `args.engine_placement`; `engine_replicas` overrides the engine deployment's num_replicas
     (None: Serve's default, or the config file's num_replicas / autoscaling_config)."""
@@ -250,7 +262,7 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
                                  max_ongoing_requests=ingress_cap, **replicas, **drain).bind(args)
     engine = DSAEngine.options(placement_group_bundles=engine_bundles(args),
                                placement_group_strategy=args.placement_strategy,
-                               request_router_config=RequestRouterConfig(request_router_class=ChannelRouter),
+                               request_router_config=engine_router_config(args),
                                max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(args)
     return DSAIngress.options(ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS, max_ongoing_requests=ingress_cap,
                               **drain).bind(engine, args)

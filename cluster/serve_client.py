@@ -126,6 +126,16 @@ class ServeEngineClient:
             raise MetricsScrapeError(text, failures)
         return text
 
+    async def flush_cache(self) -> int:
+        """Empties every engine replica's prefix cache; returns the pages they indexed. Raises one line per
+        replica that did not answer."""
+        results = await self.handle.broadcast("flush_cache").results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                            return_exceptions=True)
+        failures = [one_line(result) for result in results if isinstance(result, BaseException)]
+        if failures:
+            raise RuntimeError("; ".join(failures))
+        return sum(results)
+
     async def check_health(self) -> None:
         """Raises one line per failing replica (the replica's own error, without Ray's remote traceback)."""
         try:

@@ -96,12 +96,20 @@ class ServeAppArgs(EngineLimits):
     enable_deterministic_inference: bool = False  # SGLang's name: batch-invariant ranks (bit-identical tokens)
     attention_backend: AttentionBackendName = DEFAULT_ATTENTION_BACKEND  # the ranks' kernel set (SGLang's flag)
     disable_cuda_graph: bool = False  # SGLang's flag: decode steps never replayed from CUDA graphs
+    # Reuse cached prompt prefixes (vLLM's name; SGLang's disable_radix_cache: true turns it off too)
+    enable_prefix_caching: bool = True
+    disable_radix_cache: bool = False
     device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token
     # chunk crosses one more Ray stream). "colocated": one DSAServer deployment whose replica is both the
     # HTTP app and the engine (one process less per chunk; scale by replicas of the whole server).
     engine_placement: EnginePlacement = "separate"
+    # With several DSAEngine replicas (separate placement), a prompt goes to the replica that was sent its longest
+    # prefix unless that one is overloaded, else to the least-loaded one (cluster/engine_router.py); off: Serve's
+    # power-of-two choice. Only with enable_prefix_caching. No effect colocated: Serve's proxy routes before the
+    # body is read (docs/deployment.md, 'Prefix-aware routing').
+    prefix_aware_routing: bool = True
     # Each HTTP replica also answers HTTP itself on this port, no Serve proxy hop (cluster/direct_ingress.py;
     # `dsa-serve serve --direct-ingress`); None: only through Serve's proxy.
     direct_ingress_port: int | None = Field(None, ge=1, le=65535)
@@ -120,3 +128,8 @@ class ServeAppArgs(EngineLimits):
     def _auto_tool_choice_needs_a_parser(self) -> ServeAppArgs:
         check_tool_flags(self.tool_call_parser, self.enable_auto_tool_choice)
         return self
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        """The engines reuse cached prompt prefixes: enable_prefix_caching, unless SGLang's disable_radix_cache."""
+        return self.enable_prefix_caching and not self.disable_radix_cache

@@ -22,14 +22,8 @@ from cp_router.engine_monitor import EngineMonitor
 from cp_router.engine_stats import EngineStats
 from cp_router.metrics import ServeMetrics
 from cp_router.plans import StepResult
-from cp_router.protocol import (
-    EngineChunk,
-    EngineOverloadedError,
-    EngineRequest,
-    EngineUnavailableError,
-    ModelInfo,
-    one_line,
-)
+from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, EngineUnavailableError, ModelInfo
+from cp_router.protocol import one_line
 from cp_router.recovery import MAX_RESUMES, RECOVERY_TIMEOUT_S, GroupRepair, RecoveryClock, RecoveryRecord
 from cp_router.recovery import raise_step_failure
 from cp_router.request_state import WAITING
@@ -98,6 +92,10 @@ class GenerationEngine:
 
     def model_info(self) -> ModelInfo:
         return self.info
+
+    async def flush_cache(self) -> int:
+        """Empties the prefix cache (POST /flush_cache); returns the pages it indexed."""
+        return self.scheduler.flush_prefix_cache()
 
     async def metrics_text(self) -> str:
         if self.metrics is None:
@@ -198,6 +196,7 @@ class GenerationEngine:
             reason, stream = outputs[request_id].finish_reason, self.streams.get(request_id)
             prompt_logprobs = self.scheduler.take_prompt_logprobs(request_id)
             if stream is not None and (tokens or reason or prompt_logprobs):  # a resumed prefill emits nothing
+                stream.cached_tokens = self.scheduler.requests[request_id].cached_tokens or 0
                 first_tokens = first_tokens or (stream.completion_tokens == 0 and bool(tokens))
                 reason = stream.push(tokens, outputs[request_id].logprobs, reason, prompt_logprobs)
             if reason is not None:

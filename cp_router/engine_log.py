@@ -31,10 +31,14 @@ class Mark:
     generated: int
     drafts: int
     accepted: int
+    cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    cache_hits: int = 0  # of those, found cached
 
 
-def mark_of(stats: EngineStats, at: float) -> Mark:
-    return Mark(at, stats.prefilled, stats.generated, stats.drafts, stats.accepted)
+def mark_of(stats: EngineStats, at: float, scheduler=None) -> Mark:
+    prefix = getattr(scheduler, "prefix_stats", None)
+    return Mark(at, stats.prefilled, stats.generated, stats.drafts, stats.accepted,
+                prefix.queries if prefix else 0, prefix.hits if prefix else 0)
 
 
 def status_line(start: Mark, end: Mark, running: int, waiting: int, kv_used: list[float]) -> str:
@@ -48,6 +52,9 @@ def status_line(start: Mark, end: Mark, running: int, waiting: int, kv_used: lis
     drafts = end.drafts - start.drafts
     if drafts:
         line += f", mean acceptance length {1 + (end.accepted - start.accepted) / drafts:.2f}"
+    queries = end.cache_queries - start.cache_queries
+    if queries:
+        line += f", prefix cache hit rate {100 * (end.cache_hits - start.cache_hits) / queries:.1f}%"
     return line
 
 
@@ -65,16 +72,17 @@ class EngineLog:
         now = self.clock()
         if self.since is None:  # a busy period begins with this step: count it from its start
             base = self.idle_counts
-            self.since = Mark(now - wall_s, base.prefilled, base.generated, base.drafts, base.accepted)
+            self.since = Mark(now - wall_s, base.prefilled, base.generated, base.drafts, base.accepted,
+                              base.cache_queries, base.cache_hits)
         running, waiting = scheduler.num_running(), len(scheduler.waiting)
         if not (running or waiting):
-            self.since, self.idle_counts = None, mark_of(stats, now)
+            self.since, self.idle_counts = None, mark_of(stats, now, scheduler)
             return None
         if now - self.since.at < self.interval_s:
             return None
         total = scheduler.config.num_pages
         kv_used = [(total - free) / total for free in scheduler.free_pages()]
-        line = status_line(self.since, mark_of(stats, now), running, waiting, kv_used)
+        line = status_line(self.since, mark_of(stats, now, scheduler), running, waiting, kv_used)
         self.log.info(line)
-        self.since = mark_of(stats, now)
+        self.since = mark_of(stats, now, scheduler)
         return line

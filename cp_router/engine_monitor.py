@@ -9,6 +9,7 @@ from cp_router.engine_log import EngineLog
 from cp_router.engine_stats import EngineStats
 from cp_router.metrics import ServeMetrics, track_stream
 from cp_router.plans import RequestOutput, StepResult
+from cp_router.prefix_cache import PrefixStats
 from cp_router.protocol import EngineChunk
 from cp_router.request_timing import RequestTimes
 
@@ -17,6 +18,7 @@ class EngineMonitor:
     def __init__(self, scheduler, stats: EngineStats, metrics: ServeMetrics | None):
         self.scheduler, self.stats, self.metrics = scheduler, stats, metrics
         self.times, self.log = RequestTimes(), EngineLog()
+        self.prefix_recorded = PrefixStats()  # the scheduler's prefix-cache counts already in the metrics
 
     def stream(self, request_id: str, chunks: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
         """One request's chunks, measured (`track_stream` and the request times) when there are metrics."""
@@ -35,6 +37,9 @@ class EngineMonitor:
         self.times.observe_step(step, outputs, wall_s, self.metrics)
         if step.preempted:
             self.metrics.add_preemptions(len(step.preempted))
+        counts, seen = self.scheduler.prefix_stats, self.prefix_recorded
+        self.metrics.add_prefix_cache(counts.queries - seen.queries, counts.hits - seen.hits)
+        self.prefix_recorded = PrefixStats(counts.queries, counts.hits)
         if step.prefill is not None and step.prefill.cp:
             self.metrics.observe_cp_prefill(sum(r.comm_bytes for r in results), wall_s)
         self.record_gauges()
@@ -47,3 +52,5 @@ class EngineMonitor:
         self.metrics.set_requests(self.scheduler.num_running(), len(self.scheduler.waiting))
         for cp_rank, free in enumerate(self.scheduler.free_pages()):
             self.metrics.set_kv_pages(cp_rank, total - free, total)
+        for cp_rank, cached in enumerate(self.scheduler.cached_pages()):
+            self.metrics.set_prefix_cache_pages(cp_rank, cached)

@@ -60,6 +60,11 @@ METRIC_SPECS = {spec.name: spec for spec in (
     MetricSpec(Counter, "cp_prefill_bytes", "Bytes all-gathered across CP ranks during prefill"),
     MetricSpec(Histogram, "cp_prefill_seconds", "Duration of one CP prefill step", (), LATENCY_BUCKETS),
     MetricSpec(Counter, "num_preemptions", "Requests preempted for lack of KV pages (requeued)"),
+    # vLLM's prefix_cache_* counters: hit rate = prefix_cache_hits / prefix_cache_queries
+    MetricSpec(Counter, "prefix_cache_queries", "Prompt tokens of requests that looked the prefix cache up"),
+    MetricSpec(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)"),
+    MetricSpec(Gauge, "prefix_cache_pages", "KV pages of a CP rank indexed by the prefix cache (in use or "
+               "evictable)", ("cp_rank",)),
     MetricSpec(Counter, "request_success", "Finished requests by finish reason", ("finished_reason",)),
     MetricSpec(Counter, "request_errors", "Failed or rejected requests by error type", ("error_type",)),
     MetricSpec(Histogram, "request_queue_time_seconds", "Arrival to first scheduled in a prefill", (),
@@ -182,6 +187,14 @@ class ServeMetrics:
 
     def add_preemptions(self, count: int = 1) -> None:
         self._record("num_preemptions", count)
+
+    def add_prefix_cache(self, queries: int, hits: int) -> None:
+        if queries:
+            self._record("prefix_cache_queries", queries)
+            self._record("prefix_cache_hits", hits)
+
+    def set_prefix_cache_pages(self, cp_rank: int, pages: int) -> None:
+        self._record("prefix_cache_pages", pages, str(cp_rank))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -34,6 +34,9 @@ class PrefillRequest:
     # context. It stands in for the sample (the MTP layer and the history take it) and nothing new is emitted,
     # so decoding goes on exactly where it stopped. None: the final chunk samples the next token.
     resume_token: int | None = None
+    # Prefix caching, a family with bounded per-request state (DeepSeek-V4): this chunk ends on a hit boundary;
+    # every rank that runs it keeps a copy of the request's state there, under the page ending there.
+    snapshot_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class StepPlan:
     decode: tuple[DecodeItem, ...] = ()
     return_logits: bool = False  # ship full-vocabulary logits back (tests, debugging)
     free: tuple[str, ...] = ()  # requests whose rank-side state (MTP draft state) is dropped before anything else
+    drop_snapshots: tuple[int, ...] = ()  # pages whose state snapshot is dropped first: evicted (prefix caching)
     num_steps: int = 1  # decode steps run inside this one call (the engine saves Ray round trips)
     num_speculative_steps: int = 0  # k MTP draft tokens verified per decode step (0: plain decode)
     # Time this step's prefill by phase (`StepResult.prefill_phase_s`; `bench prefill`). Off when serving: the

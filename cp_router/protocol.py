@@ -70,6 +70,7 @@ class EngineChunk:
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cached_tokens: int = 0  # prompt tokens its prefill read from the prefix cache (known from its first chunk)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ class EngineClient(Protocol):
     * `model_info()` is cheap and constant for the life of the client.
     * `metrics_text()` returns the Prometheus text exposition of every engine replica, one `replica` label
       value per replica (merge them with `cp_router.metrics.merge_metrics_text`).
+    * `flush_cache()` empties every engine replica's prefix cache (pages in use stay with their requests) and
+      returns how many pages were indexed.
     * `check_health()` returns when the engine can serve and raises (any exception, with a message saying
       what is wrong: a dead rank actor, a stuck step loop) otherwise.
     """
@@ -122,6 +125,8 @@ class EngineClient(Protocol):
     def model_info(self) -> ModelInfo: ...
 
     async def metrics_text(self) -> str: ...
+
+    async def flush_cache(self) -> int: ...
 
     async def check_health(self) -> None: ...
 

@@ -29,6 +29,10 @@ class RequestState:
     num_resumes: int = 0  # times its ranks were lost and it was requeued (cp_router/recovery.py)
     # Scored prompt logprobs (id, logprob, top, rank) per prompt position 1.. so far; None: not asked, or delivered.
     prompt_logprobs: list[tuple] | None = None
+    # Prefix caching (cp_router/prefix_cache.py): content keys of its full pages so far, and the prompt tokens its
+    # first prefill found cached (None: not looked up yet).
+    page_keys: list[bytes] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     def context_ids(self) -> list[int]:
         """What prefill runs over: the prompt, plus earlier output but the last token when recomputing (that one

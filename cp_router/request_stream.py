@@ -38,6 +38,7 @@ class RequestStream:
                                     request.include_stop_str_in_output)
         self.queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
         self.completion_tokens = 0
+        self.cached_tokens = 0  # set by the engine once its first prefill was scheduled (prefix caching)
         self.finished = False
 
     def push(self, token_ids: list[int], logprobs: list[tuple], finish_reason: str | None,
@@ -60,6 +61,7 @@ class RequestStream:
         self.queue.put_nowait(EngineChunk(
             tuple(kept), self.text.release(final=finish_reason is not None), finish_reason,
             len(self.request.prompt_token_ids), self.completion_tokens, chunk_logprobs, prompt,
+            min(self.cached_tokens, len(self.request.prompt_token_ids)),
         ))
         self.finished = finish_reason is not None
         return finish_reason

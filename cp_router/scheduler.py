@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from cp_router.pages import PageAllocator, pages_for
 from cp_router.plans import DecodeItem, RequestOutput, StepPlan
+from cp_router.prefix_cache import PrefixStats, register_pages
 from cp_router.request_state import DECODING, PREFILLING, WAITING, RequestState
 from cp_router.sampling import SamplingParams
 from cp_router.scheduler_prefill import PrefillBatch, build_prefill_batch, plan_prefill_batch
@@ -46,6 +47,13 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests admitted at once (prefilling or decoding); the rest wait
     cp_min_prefill_tokens: int = 0  # a batch of fewer new prompt tokens runs data parallel (scheduler_prefill.uses_cp)
     time_prefill_phases: bool = False  # prefill steps timed by phase (StepPlan.time_prefill_phases; benchmarks)
+    prefix_caching: bool = True  # reuse cached prefix pages (cp_router/prefix_cache.py)
+    hit_align: int = 0  # a cache hit ends at a multiple of this (0: the page size; V4: also its compress rates)
+    state_snapshots: bool = False  # the family keeps bounded per-request state: hits only where it was snapshotted
+
+    @property
+    def prefix_align(self) -> int:
+        return self.hit_align or self.page_size
 
 
 @dataclass
@@ -63,6 +71,7 @@ class Scheduler:
         self.waiting: deque[str] = deque()
         self.allocators = [PageAllocator(config.num_pages) for _ in range(config.cp_size)]
         self.pending_free: dict[int, set[str]] = {r: set() for r in range(config.cp_size)}
+        self.prefix_stats = PrefixStats()
         self._arrivals = 0
 
     # requests in and out -------------------------------------------------------------------------
@@ -110,9 +119,20 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.requests) - len(self.waiting)
 
+    def flush_prefix_cache(self) -> int:
+        """Empties every rank's prefix cache (pages in use stay with their requests); returns the pages unindexed."""
+        return sum(allocator.flush() for allocator in self.allocators)
+
+    def cached_pages(self) -> list[int]:
+        """Per rank: pages indexed by content (in use or evictable)."""
+        return [allocator.num_cached for allocator in self.allocators]
+
     def _release(self, seq: RequestState) -> None:
-        """Frees every page the request holds; at the next step its owner drops its draft state, and every rank
-        that holds its pages (mid chunked prefill) the state it keeps there."""
+        """Frees every page the request holds (its full, final pages stay cached: cp_router/prefix_cache.py); at
+        the next step its owner drops its draft state, and every rank that holds its pages (mid chunked prefill)
+        the state it keeps there."""
+        if seq.owner in seq.pages:
+            register_pages(self, seq, seq.owner, seq.num_cached)
         for cp_rank, pages in seq.pages.items():
             self.allocators[cp_rank].free(pages)
             self.pending_free[cp_rank].add(seq.request_id)
@@ -147,6 +167,9 @@ class Scheduler:
             if request_ids:
                 plans[cp_rank] = replace(plans.get(cp_rank, StepPlan()), free=tuple(sorted(request_ids)))
                 request_ids.clear()
+        for cp_rank, allocator in enumerate(self.allocators):
+            if dropped := allocator.take_dropped_snapshots():
+                plans[cp_rank] = replace(plans.get(cp_rank, StepPlan()), drop_snapshots=tuple(dropped))
         return ScheduledStep(plans, batch, [s.request_id for s in decoding], preempted)
 
     def _lockstep_plans(self, plans: dict[int, StepPlan], shards: dict, decoding: bool,

@@ -55,7 +55,7 @@ class CPWorker:
         self.comm: LocalComm = LocalComm()
         self.runner: ModelRunner | None = None
         self.held: dict[str, HeldRequest] = {}
-        self.prefilling: dict[str, tuple[int, ...]] = {}  # mid chunked prefill here: first page (V4 files state there)
+        self.prefilling: set[str] = set()  # requests mid chunked prefill here (V4 keeps their state meanwhile)
         self.exchange: ExpertExchange | None = None
         self.load_report: LoadReport | None = None
 
@@ -72,7 +72,8 @@ class CPWorker:
         self.comm.destroy()
         if self.runner is not None:
             self.free([*self.held, *self.prefilling])
-        self.held, self.prefilling = {}, {}
+            self.runner.cache.clear_states()  # the engine restarts every request; its snapshots' pages are free
+        self.held, self.prefilling = {}, set()
         self.init_comm(master_addr, master_port)
 
     def load(self, spec: RankSpec) -> dict:
@@ -98,7 +99,7 @@ class CPWorker:
         self.runner = ModelRunner(model, num_pages=spec.num_pages, page_size=spec.page_size, device=self.device,
                                   kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=spec.kv_cache_dtype,
                                   deterministic=spec.deterministic, kernels=kernels, graph_shape=graph_shape)
-        self.held, self.prefilling = {}, {}
+        self.held, self.prefilling = {}, set()
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else None,
@@ -122,6 +123,7 @@ class CPWorker:
         all-gather): a plan one rank cannot run fails the step on every rank before any forward, the group
         intact. An error later in the step breaks the group first, so peers fail too instead of waiting."""
         self.free(list(plan.free))
+        self.runner.cache.drop_snapshots(plan.drop_snapshots)  # their pages were evicted (prefix caching)
         problem = self._plan_problem(plan)
         if plan_has_collectives(plan):
             rejected = [r for r, (bad,) in enumerate(self._vote(problem is not None)) if bad]
@@ -178,11 +180,9 @@ class CPWorker:
     def free(self, request_ids: list[str]) -> None:
         """Drops the state of requests this rank owned or was prefilling (unknown ids are ignored)."""
         for request_id in request_ids:
-            held, partial = self.held.pop(request_id, None), self.prefilling.pop(request_id, None)
-            if held is not None:
-                self.runner.cache.release(held.pages)  # DeepSeek-V4: its per-request state
-            if partial is not None:
-                self.runner.cache.release(partial)  # preempted or aborted between two prefill chunks
+            self.held.pop(request_id, None)
+            self.prefilling.discard(request_id)  # preempted or aborted between two prefill chunks
+            self.runner.cache.release(request_id)  # DeepSeek-V4: its per-request state
 
     def _plan_problem(self, plan: StepPlan) -> str | None:
         """What makes `plan` impossible on this rank (pages too few or outside the cache, a decode of a request
@@ -213,9 +213,11 @@ class CPWorker:
     def held_requests(self) -> list[str]:
         return sorted(self.held)
 
-    def export_kv(self, pages: list[int], num_tokens: int) -> dict[str, list[torch.Tensor | None]]:
-        """The cached keys of positions 0..num_tokens-1 stored in `pages` (a request's page table), per layer."""
-        return self.runner.cache.rows(PageTable(list(pages), num_tokens))
+    def export_kv(self, pages: list[int], num_tokens: int,
+                  request_id: str | None = None) -> dict[str, list[torch.Tensor | None]]:
+        """The cached keys of positions 0..num_tokens-1 stored in `pages` (a request's page table), per layer;
+        `request_id` names the request whose per-request state (DeepSeek-V4) to read."""
+        return self.runner.cache.rows(PageTable(list(pages), num_tokens, request_id))
 
     def export_draft_state(self, request_id: str) -> dict[str, torch.Tensor | None]:
         """The MTP draft state this rank keeps of an owned request: hidden [D] at its last cached position,
@@ -224,7 +226,7 @@ class CPWorker:
         return {"draft_hidden": held.draft_hidden, "draft_topk": held.draft_topk}
 
     def shutdown(self) -> None:
-        self.held, self.prefilling = {}, {}
+        self.held, self.prefilling = {}, set()
         self.comm.destroy()
 
     @torch.inference_mode()
@@ -233,21 +235,26 @@ class CPWorker:
         comm = self.comm if shard.meta.cp_size > 1 else LocalComm()
         if self.exchange is not None:  # target and MTP forward alike: this batch's rows on every rank
             self.runner.begin_forward(0, True, self._prefill_rows(group_rows, shard.meta))
-        tables = [PageTable(list(pages), prefix) for pages, prefix in zip(shard.page_tables, shard.meta.prefix_lens)]
+        tables = [PageTable(list(pages), prefix, req.request_id)
+                  for req, pages, prefix in zip(shard.requests, shard.page_tables, shard.meta.prefix_lens)]
         ctx = PrefillContext(self.runner.model, self.runner.family, self.runner.backend, comm, self.cp_rank, tables,
                              self.runner.page_size, self.device)
         outputs = run_prefill(ctx, shard, return_logits, with_draft)
-        for req, pages in zip(shard.requests, shard.page_tables):  # the owner keeps what decoding needs
-            if not req.final_chunk:
-                self.prefilling[req.request_id] = pages[:1]
+        for req, pages, prefix, extend in zip(shard.requests, shard.page_tables, shard.meta.prefix_lens,
+                                              shard.meta.extend_lens):
+            if req.snapshot_state:  # prefix caching: the state at this chunk's end, for later hits (V4)
+                self.runner.cache.snapshot_state(PageTable(list(pages), prefix + extend, req.request_id),
+                                                 prefix + extend)
+            if not req.final_chunk:  # the owner keeps what decoding needs
+                self.prefilling.add(req.request_id)
                 continue
-            self.prefilling.pop(req.request_id, None)
+            self.prefilling.discard(req.request_id)
             if req.owner_rank == self.cp_rank:
                 self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
-                                                        ctx.draft_topk.get(req.request_id), pages[:1],
+                                                        ctx.draft_topk.get(req.request_id),
                                                         ctx.histories.get(req.request_id))
             else:
-                self.runner.cache.release(pages)  # DeepSeek-V4: a non-owner's copy of the request's state
+                self.runner.cache.release(req.request_id)  # DeepSeek-V4: a non-owner's copy of its state
         return outputs
 
     def _prefill_rows(self, group_rows: tuple[int, ...], meta) -> ForwardRows:
@@ -268,7 +275,8 @@ class CPWorker:
     def _decode(self, plan: StepPlan, clock: DecodeClock) -> dict[str, RequestOutput]:
         """Owned requests only, no collectives: `plan.num_steps` plain or speculative decode steps."""
         states = [
-            DecodeState(item.request_id, self.held[item.request_id], PageTable(list(item.pages), item.num_cached),
+            DecodeState(item.request_id, self.held[item.request_id],
+                        PageTable(list(item.pages), item.num_cached, item.request_id),
                         item.token_id, item.num_generated, item.max_new)
             for item in plan.decode
         ]

@@ -43,7 +43,6 @@ class HeldRequest:
     sampling: SamplingParams
     draft_hidden: torch.Tensor | None = None  # [D] MTP output at the last cached position
     draft_topk: torch.Tensor | None = None  # [k'] MTP top-k slots there (MTP index sharing only)
-    pages: tuple[int, ...] = ()  # its first page (DeepSeek-V4 files the request's cache state under it)
     history: TokenHistory | None = None  # prompt and output tokens, when its penalties need them
 
 
@@ -186,12 +185,12 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
         for j in range(accepted):
             state.out.accepted_per_position[j] += 1
         state.table.num_tokens = n + accepted + 1  # roll back: the rejected drafts' KV is overwritten later
-        emit(state, tokens, logits[b], eos_ids)
-        if not state.finished:
-            extend_items.append(ExtendItem(state.table, tokens))
-            extend_rows.append(hidden[b, : accepted + 1])  # [m+1, D] target hidden at positions n..n+m
-            extend_starts.append(n)
-            extended.append(state)
+        kept = emit(state, tokens, logits[b], eos_ids)
+        # a request that ended too: its MTP rows of the kept positions complete its pages (prefix caching)
+        extend_items.append(ExtendItem(state.table, tokens[:kept]))
+        extend_rows.append(hidden[b, :kept])  # [m+1, D] target hidden at positions n..n+m
+        extend_starts.append(n)
+        extended.append(state)
     if extended or counts is not None:  # under EP every rank joins the draft-extend, rows or not
         if shared is not None:
             shared.reuse = None  # the draft-extend selects its own top-k and records it

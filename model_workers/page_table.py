@@ -18,6 +18,7 @@ class PageTable:
 
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    state_key: str | None = None  # the request's id on a rank: what a family's per-request state is filed under
 
     def slots(self, start: int, end: int, page_size: int) -> torch.Tensor:
         """Cache slots of positions start..end-1, [end - start] int64."""

@@ -134,7 +134,8 @@ class ModelRunner:
         item are the t_{i+1}. Returns the MTP hidden output [rows, hidden] (before shared_head.norm). `topk_memo`:
         the MTP layer's top-k recorded or reused (MTP index sharing, models/dsa/topk_sharing.py).
         """
-        shifted = [ExtendItem(PageTable(it.table.pages, start), it.token_ids) for it, start in zip(items, tables_start)]
+        shifted = [ExtendItem(PageTable(it.table.pages, start, it.table.state_key), it.token_ids)
+                   for it, start in zip(items, tables_start)]
         for item in shifted:
             self.cache.check_room(item.table, item.table.num_tokens + len(item.token_ids))
         num_rows = sum(len(item.token_ids) for item in items)

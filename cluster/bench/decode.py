@@ -74,7 +74,8 @@ def measure_batch(model_dir, ks: list[int], batch: int, args) -> list[dict]:
                                 deterministic=args.enable_deterministic_inference,
                                 speculative_token_map=args.speculative_token_map,
                                 attention_backend=args.attention_backend,
-                                disable_cuda_graph=args.disable_cuda_graph) for k in ks}
+                                disable_cuda_graph=args.disable_cuda_graph,
+                                enable_prefix_caching=False) for k in ks}  # every round prefills its prompts
     engines, close = open_engines(model_dir, options, args.ray)
 
     def requests(tag: str, max_tokens: int, first: int):

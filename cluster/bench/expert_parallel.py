@@ -152,7 +152,7 @@ def run_group(model_dir, ep_size: int, k: int, prompts, batches: list[int], leng
     cp = ResolvedCPConfig(enabled=True, cp_size=args.cp_size, strategy="zigzag", impl="legacy", ep_size=ep_size)
     pages = ceil_div(max(lengths, default=0), 64) + 2 + max(batches) * ceil_div(64 + args.max_tokens + k + 1, 64)
     options = EngineOptions(args.dtype, num_pages=pages, page_size=64, num_speculative_steps=k,
-                            max_steps_per_call=args.steps_per_call)
+                            max_steps_per_call=args.steps_per_call, enable_prefix_caching=False)
     engine, group = start_engine(model_dir, cp, options)
     try:
         out = {"ep_size": ep_size, "speculative_num_steps": k,

@@ -146,7 +146,8 @@ def launch_config(model_dir, cp, threads: int, prompts: dict[int, list[int]], ar
     options = EngineOptions(args.dtype, num_pages=ceil_div(max(prompts), 64) + 2, page_size=64, num_speculative_steps=1,
                             threads_per_worker=threads, use_gpu=str(args.device).startswith("cuda"),
                             kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
-                            time_prefill_phases=True, attention_backend=args.attention_backend)
+                            time_prefill_phases=True, attention_backend=args.attention_backend,
+                            enable_prefix_caching=False)  # repeats of one prompt must prefill it all again
     if in_process:
         return local_config(model_dir, cp, threads, options)
     import ray

@@ -72,6 +72,22 @@ def add_cuda_graph_argument(parser: argparse.ArgumentParser) -> None:
                              " kernel set replays plain decode steps from CUDA graphs captured per batch size")
 
 
+def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Prefix caching is on by default; SGLang's and vLLM's flags turn it off (`prefix_caching_on`)."""
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="do not reuse cached prompt prefixes (SGLang's flag; prefix caching is on by default)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="vLLM's spelling: --no-enable-prefix-caching turns prefix caching off")
+
+
+def prefix_caching_on(args: argparse.Namespace) -> bool:
+    """Whether the flags leave prefix caching on; ValueError when they contradict each other."""
+    disable, enable = getattr(args, "disable_radix_cache", False), getattr(args, "enable_prefix_caching", None)
+    if disable and enable:
+        raise ValueError("--disable-radix-cache and --enable-prefix-caching contradict each other: give one")
+    return not disable and enable is not False
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--device", choices=get_args(DeviceName), default=default)
 
@@ -120,6 +136,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, dtype_default: str) ->
     add_deterministic_argument(parser)
     add_attention_backend_argument(parser)
     add_cuda_graph_argument(parser)
+    add_prefix_cache_arguments(parser)
     add_device_argument(parser, default="cuda" if torch.cuda.is_available() else "cpu")
     add_placement_argument(parser)
     add_limit_arguments(parser)

@@ -17,10 +17,12 @@ from cluster.commands.args import (
     add_cp_arguments,
     add_attention_backend_argument,
     add_cuda_graph_argument,
+    add_prefix_cache_arguments,
     add_deterministic_argument,
     add_dtype_argument,
     add_kv_cache_dtype_argument,
     add_speculative_argument,
+    prefix_caching_on,
 )
 from cluster.commands.result_output import print_result, with_results_only_on_stdout
 from cluster.config import check_speculative_steps, resolve_cp_settings
@@ -58,6 +60,7 @@ def add_parser(commands) -> None:
     add_deterministic_argument(parser)
     add_attention_backend_argument(parser)
     add_cuda_graph_argument(parser)
+    add_prefix_cache_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, or cuda[:N]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
     add_cp_arguments(parser)
@@ -132,7 +135,8 @@ def run_generate(args: argparse.Namespace, model: ModelSpec) -> list[dict]:
     options = EngineOptions(args.dtype, num_pages, PAGE_SIZE, k, use_gpu=str(args.device).startswith("cuda"),
                             kv_cache_dtype=args.kv_cache_dtype, deterministic=args.enable_deterministic_inference,
                             speculative_token_map=args.speculative_token_map,
-                            attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph)
+                            attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
+                            enable_prefix_caching=prefix_caching_on(args))
     if cp is not None and cp.cp_size > 1:
         results = run_on_ray(args, model, cp, options, requests)
     else:

@@ -18,7 +18,7 @@ import threading
 import time
 
 from cluster.commands.aliases import resolve_speculation
-from cluster.commands.args import add_server_arguments
+from cluster.commands.args import add_server_arguments, prefix_caching_on
 from cluster.engine_limits import limits_from
 from cluster.serve_settings import API_KEY_ENV, ServeAppArgs
 from cp_router.protocol import one_line
@@ -42,6 +42,11 @@ def add_parser(commands) -> None:
                         help="also copy the dsa_serve metrics into Ray's metrics export (ray_dsa_serve_*, what "
                              "KubeRay's PodMonitor scrapes); --no-ray-metrics-export: /metrics only, saving Ray's "
                              "CPU per histogram observation (one per generated token)")
+    parser.add_argument("--prefix-aware-routing", action=argparse.BooleanOptionalAction, default=True,
+                        help="with several engine replicas (--replicas, separate placement), send a prompt to the "
+                             "replica that was sent its longest prefix unless that one is overloaded, else to the "
+                             "least-loaded one; --no-prefix-aware-routing: Serve's power-of-two choice "
+                             "(cluster/engine_router.py)")
     drain = ServeAppArgs.model_fields["drain_timeout_s"]
     parser.add_argument("--drain-timeout-s", type=float, default=drain.default, help=drain.description)
     parser.set_defaults(run=run)
@@ -76,8 +81,10 @@ def app_args(args: argparse.Namespace):
              "dtype", "kv_cache_dtype", "device", "engine_placement", "enable_deterministic_inference",
              "attention_backend", "disable_cuda_graph")
     fields = {name: getattr(args, name) for name in names}
+    fields["enable_prefix_caching"] = prefix_caching_on(args)
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
         fields["drain_timeout_s"] = args.drain_timeout_s
+    fields["prefix_aware_routing"] = getattr(args, "prefix_aware_routing", True)  # `bench serve`: the default
     ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None)),
                "ray_metrics_export": getattr(args, "ray_metrics_export", True)}  # `bench serve`: on, as the default
     if getattr(args, "port", None) is not None and direct_ingress_on(args):  # `serve`; `bench serve` picks a port

@@ -44,7 +44,12 @@ class Generation:
         return {choice.index: ChoiceState(choice, self.echo, self.prompt_logprobs) for choice in self.choices}
 
     def usage(self, states: dict[int, ChoiceState]) -> UsageInfo:
-        return UsageInfo.of(self.prompt_tokens, sum(state.completion_tokens for state in states.values()))
+        """Each prompt counted once; its cached tokens are those every choice of it found cached."""
+        cached: dict[int, int] = {}
+        for state in states.values():
+            cached[state.prompt_group] = min(cached.get(state.prompt_group, state.cached_tokens), state.cached_tokens)
+        return UsageInfo.of(self.prompt_tokens, sum(state.completion_tokens for state in states.values()),
+                            sum(cached.values()))
 
 
 def _record_outcome(scope: Scope, generation: Generation, states: dict[int, ChoiceState]) -> None:

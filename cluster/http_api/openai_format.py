@@ -102,6 +102,8 @@ class ChoiceState:
         self.prompt_logprobs: PromptLogprobs | None = None
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the engine found in its prefix cache
+        self.prompt_group = id(choice.prompt)  # the choices of one prompt share it (usage counts a prompt once)
         self.deltas = 0
 
     def apply(self, chunk: EngineChunk, encoder: PromptEncoder) -> ChoiceDelta:
@@ -117,7 +119,7 @@ class ChoiceState:
         self.text += text
         self.logprobs.extend(entries or ())
         self.finish_reason = chunk.finish_reason
-        self.completion_tokens = chunk.completion_tokens
+        self.completion_tokens, self.cached_tokens = chunk.completion_tokens, chunk.cached_tokens
         self.deltas += 1
         return ChoiceDelta(text, entries, chunk.finish_reason, self.deltas == 1, prompt)
 

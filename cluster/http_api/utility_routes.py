@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.http_api.body import read_json_body
 from cluster.http_api.chat_requests import ChatMessage, ToolSpec, tools_json
-from cluster.http_api.errors import bad_request
+from cluster.http_api.errors import APIError, bad_request
 from cluster.http_api.openai_requests import PromptInput, RequestModel
 from cluster.http_api.openai_responses import server_version
 
@@ -68,6 +68,22 @@ def add_utility_routes(app: FastAPI, ingress, authorized: list[params.Depends]) 
         ingress.check_model(body.model)
         ingress.limits.check_token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": ingress.encoder.decode(body.tokens)})
+
+    async def flush(reply: str) -> JSONResponse:
+        try:
+            pages = await ingress.engine.flush_cache()
+        except Exception as exc:  # noqa: BLE001 - an engine replica did not answer: say which, as a 503
+            raise APIError(503, f"the prefix cache was not flushed everywhere: {exc}", code="engine_unavailable",
+                           headers={"Retry-After": "1"}) from None
+        return JSONResponse({"message": reply, "flushed_pages": pages})
+
+    @app.post("/flush_cache", dependencies=authorized)  # SGLang's route
+    async def flush_cache() -> JSONResponse:
+        return await flush("Cache flushed.")
+
+    @app.post("/reset_prefix_cache", dependencies=authorized)  # vLLM's route
+    async def reset_prefix_cache() -> JSONResponse:
+        return await flush("Prefix cache reset.")
 
     @app.get("/version")
     async def version() -> JSONResponse:

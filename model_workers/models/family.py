@@ -52,3 +52,9 @@ class ModelFamily:
     prefill_flops: Callable[..., dict] | None = None
     random_checkpoint: Callable[..., Path] | None = None  # (out, shape, seed, dtype): `dsa-serve random-checkpoint`
     random_shapes: tuple[str, ...] = ()  # the named shapes `random_checkpoint` writes
+    # prefix caching (cp_router/prefix_cache.py): (config, page_size) -> (a hit ends at a multiple of this, whether
+    # the ranks must snapshot bounded per-request state there); None: any page boundary, nothing to snapshot
+    prefix_hit_rule: Callable[[Any, int], tuple[int, bool]] | None = None
+
+    def prefix_hits(self, config, page_size: int) -> tuple[int, bool]:
+        return (page_size, False) if self.prefix_hit_rule is None else self.prefix_hit_rule(config, page_size)

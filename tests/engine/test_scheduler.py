@@ -80,7 +80,7 @@ def test_new_prompts_below_cp_min_prefill_tokens_run_whole_each_on_its_owner():
         assert shard.meta.cp_size == 1 and [r.request_id for r in shard.requests] == [request_id]
         assert shard.token_ids_local.tolist() == list(range(1, length + 1))
     assert s.free_pages() == [32 - 3, 32 - 2]  # pages on the owner only
-    s.add("c", list(range(1, 25)), SamplingParams(max_tokens=2))
+    s.add("c", list(range(101, 125)), SamplingParams(max_tokens=2))  # shares no prefix with a or b
     step = s.schedule()  # 24 new tokens: across the group
     assert step.prefill.cp and set(step.plans) == {0, 1} and step.plans[0].prefill.meta.cp_size == 2
 
@@ -92,7 +92,7 @@ def test_every_chunk_of_a_chunked_prompt_runs_across_the_group_whatever_its_size
         step = run_step(s)
         meta = step.plans[0].prefill.meta
         assert set(step.plans) == {0, 1} and (meta.prefix_lens[0], meta.extend_lens[0]) == expected
-    s.add("short", list(range(1, 17)), SamplingParams(max_tokens=2))
+    s.add("short", list(range(101, 117)), SamplingParams(max_tokens=2))  # no prefix cached
     step = s.schedule()  # a whole 16-token prompt alone: on the least loaded rank
     assert not step.prefill.cp and step.prefill.ranks == (1,) and step.plans[1].prefill.meta.cp_size == 1
 
@@ -108,7 +108,7 @@ def test_admission_waits_for_pages_and_keeps_fcfs():
 def test_kv_exhaustion_preempts_the_newest_and_recomputes_it():
     s = scheduler(num_pages=6, cp_size=1, budget=32)
     s.add("old", list(range(1, 13)), SamplingParams(max_tokens=8))
-    s.add("new", list(range(1, 13)), SamplingParams(max_tokens=8))
+    s.add("new", list(range(21, 33)), SamplingParams(max_tokens=8))  # no prefix in common with old
     run_step(s)  # both prefilled on rank 0: 3 + 3 pages
     step = s.schedule()
     assert step.preempted == ["new"] and step.plans[0].free == ("new",)
@@ -116,7 +116,7 @@ def test_kv_exhaustion_preempts_the_newest_and_recomputes_it():
     assert list(s.waiting) == ["new"] and (new.num_generated_at_prefill, new.resume_token()) == (0, 7)
     assert new.pages == {} and s.free_pages() == [6 - 4]  # old: 3 pages, + 1 to decode into
     assert [i.request_id for i in step.plans[0].decode] == ["old"]
-    assert new.context_ids() == list(range(1, 13))
+    assert new.context_ids() == list(range(21, 33))
 
 
 def test_finish_frees_on_every_rank_holding_kv_and_requests_that_cannot_fit_are_refused():

@@ -38,7 +38,8 @@ def test_completion_response_shape_and_usage(served):
     assert request.prompt_token_ids == (3, 4) and request.max_tokens == 3
     expected = "".join(f" w{fake_token(request, step)}" for step in range(3))
     assert body["choices"] == [{"index": 0, "text": expected, "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_sampling_fields_reach_the_engine(served):
@@ -61,7 +62,8 @@ def test_n_and_prompt_lists_fan_out_with_distinct_seeds(served):
     by_id = {request.request_id: request for request in engine.requests}
     assert [by_id[f"{body['id']}-{i}"].seed for i in range(4)] == [7, 8, 9, 10]
     assert [by_id[f"{body['id']}-{i}"].prompt_token_ids for i in range(4)] == [(3,), (3,), (4, 4), (4, 4)]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_stop_token_finishes_with_stop(served):

@@ -63,6 +63,7 @@ class FakeEngine:
         self.info, self.accept, self.pause_after, self.overloaded = info, accept, pause_after, overloaded
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []
+        self.flushes = 0  # POST /flush_cache calls that reached it
         self.active: dict[str, asyncio.Event] = {}
         self.metrics = ServeMetrics(metrics_replica, info.name)
         self.metrics.set_kv_pages(0, 0, KV_PAGES)
@@ -125,6 +126,10 @@ class FakeEngine:
 
     async def metrics_text(self) -> str:
         return self.metrics.render()
+
+    async def flush_cache(self) -> int:
+        self.flushes += 1
+        return 0
 
     async def check_health(self) -> None:
         return None

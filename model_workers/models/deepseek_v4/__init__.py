@@ -40,4 +40,5 @@ FAMILY = ModelFamily(
     kv_summary=capacity.kv_summary,
     random_checkpoint=random_checkpoint.write_random_v4,
     random_shapes=tuple(random_checkpoint.SHAPES),
+    prefix_hit_rule=cache.prefix_hit_rule,
 )

@@ -39,7 +39,7 @@ class V4Batch:
 
 def v4_batch(cache: V4Cache, tables: list[PageTable], lengths: list[int], positions: torch.Tensor,
              request_rows: list[torch.Tensor]) -> V4Batch:
-    copies = tuple(PageTable(list(t.pages), t.num_tokens) for t in tables)  # the step moves num_tokens on
+    copies = tuple(PageTable(list(t.pages), t.num_tokens, t.state_key) for t in tables)  # the step moves num_tokens on
     return V4Batch(copies, tuple(cache.request(t) for t in tables), tuple(t.num_tokens for t in tables),
                    tuple(lengths), positions, tuple(request_rows))
 

@@ -6,8 +6,12 @@
   account for it and page_size and m must divide one another.
 * Per request (bounded, like SGLang's SWA and compressor-state rings): per layer the tail of raw K = V rows
   its sliding window still needs, and per compressor the projected rows of the windows not yet closed (CSA:
-  also of the last closed window, whose Ca half the next entry pools). It is filed under the request's first
-  page, which is the request's for as long as it lives on this rank.
+  also of the last closed window, whose Ca half the next entry pools). It is filed under the page table's
+  `state_key` (the request id on a rank; its first page where a table names none).
+* Snapshots for prefix caching: after a prefill chunk the plan marks (`PrefillRequest.snapshot_state`), a copy
+  of the request's state is filed under the page that ends there; a later request whose cached prefix ends at that
+  page starts from a copy of it (`request`). The engine's scheduler says when a snapshot's page is evicted
+  (`drop_snapshots`).
 
 Everything is addressed by absolute position, never by "what came last", so a forward that starts at
 position n reads rows before n only: chunked prefill at any boundary, decode, and speculative rollback (the
@@ -18,6 +22,7 @@ a step may roll back. Preemption frees the pages and the next prefill starts at 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +60,8 @@ class RowsTail:
         if needed_from < start and (needed_from < self.start or start > kept_end):
             raise StateLost(f"rows of positions {needed_from}..{start - 1} are needed; this rank keeps "
                             f"{self.start}..{kept_end - 1} (a rollback deeper than {ROLLBACK_TOKENS} tokens?)")
-        read_from = needed_from if needed_from >= start else min(needed_from, max(keep_from, self.start))
+        contiguous = self.rows is not None and self.start <= start <= kept_end  # kept rows run up to `start`
+        read_from = min(needed_from, max(keep_from, self.start)) if contiguous else needed_from
         history = self.rows[read_from - self.start : start - self.start] if read_from < start else new_rows[:0]
         rows = torch.cat([history, new_rows])  # positions read_from .. start + n - 1
         drop = max(0, keep_from - read_from)
@@ -75,7 +81,8 @@ class V4Cache:
             raise ValueError(f"num_pages={num_pages}: must be positive")
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
         self.num_mtp_layers, self.dtype = num_mtp_layers, dtype
-        self.states: dict[int, dict] = {}  # first page -> {(layer_id, name): RowsTail | CompressedState}
+        self.states: dict = {}  # state key -> {(layer_id, name): RowsTail | CompressedState}
+        self.snapshots: dict[int, dict] = {}  # page -> a request's state at that page's end (prefix caching)
         self.entries: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "compressor" | "indexer") -> rows
         for layer_id, layer_type in enumerate(config.layer_types):
             if layer_type in (CSA, HCA):
@@ -110,21 +117,41 @@ class V4Cache:
         check_page_room(table, num_tokens, self.page_size, self.num_pages)
 
     def request(self, table: PageTable) -> dict:
-        """The state of the request whose page table this is (created empty on its first forward)."""
+        """The state of the request whose page table this is: kept from its earlier forwards, else a copy of the
+        snapshot at the end of its cached prefix (a prefix-cache hit), else empty (its first forward)."""
         if not table.pages:
-            raise ValueError("a V4 request needs at least one page (its state is filed under the first)")
-        return self.states.setdefault(table.pages[0], {})
+            raise ValueError("a V4 request needs at least one page")
+        key = state_key(table)
+        if key not in self.states:
+            done = table.num_tokens // self.page_size
+            snapshot = self.snapshots.get(table.pages[done - 1]) if done and not table.num_tokens % self.page_size \
+                else None
+            self.states[key] = {} if snapshot is None else copy_state(snapshot)
+        return self.states[key]
 
-    def release(self, pages) -> None:
-        """Drops the state of the request whose page table starts with pages[0] (no-op if none is kept)."""
-        if pages:
-            self.states.pop(pages[0], None)
+    def release(self, key) -> None:
+        """Drops the state kept under `key` (a request id; no-op if none is kept)."""
+        self.states.pop(key, None)
+
+    def snapshot_state(self, table: PageTable, end: int) -> None:
+        """Files a copy of the request's state (its last forward ended at `end`, a page boundary) under the page
+        that ends there."""
+        self.snapshots[table.pages[end // self.page_size - 1]] = copy_state(self.states.get(state_key(table), {}))
+
+    def drop_snapshots(self, pages) -> None:
+        for page in pages:
+            self.snapshots.pop(page, None)
+
+    def clear_states(self) -> None:
+        """Every request's state and every snapshot (the engine restarted its requests)."""
+        self.states.clear()
+        self.snapshots.clear()
 
     def rows(self, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
         """What the request keeps for positions 0..num_tokens-1, per layer (MTP layers last in `window`): the
         window's K = V rows of its last W - 1 positions, the compressed entries and the CSA indexer keys (None
         where a layer has none)."""
-        state, n = self.states.get(table.pages[0], {}), table.num_tokens
+        state, n = self.states.get(state_key(table), {}), table.num_tokens
         out = {"window": [], "entries": [], "index_keys": []}
         for layer_id in range(self.config.num_hidden_layers + self.num_mtp_layers):
             tail = state.get((layer_id, "window"))
@@ -142,7 +169,7 @@ class V4Cache:
         """Bytes this rank keeps for the request, per layer type ("mtp" for MTP layers): `entries` (compressed
         entries and indexer keys valid for its num_tokens positions: what grows with the context) and `state`
         (window tails and compressor rows: bounded)."""
-        state, n = self.states.get(table.pages[0], {}), table.num_tokens
+        state, n = self.states.get(state_key(table), {}), table.num_tokens
         out: dict[str, dict[str, int]] = {}
         for (layer_id, name), kept in state.items():
             kind = self.config.layer_types[layer_id] if layer_id < self.config.num_hidden_layers else "mtp"
@@ -161,6 +188,20 @@ class V4Cache:
     def request_bytes(self) -> int:
         """Bytes of the bounded per-request state: window tails and open-window rows, at most."""
         return request_bytes(self.config, self.num_mtp_layers, self.dtype.itemsize)
+
+
+def state_key(table: PageTable):
+    return table.state_key if table.state_key is not None else table.pages[0]
+
+
+def copy_state(state: dict) -> dict:
+    """A copy of a request's state that later forwards of either may change without touching the other."""
+    out = {}
+    for name, kept in state.items():
+        tail = kept if isinstance(kept, RowsTail) else kept.rows
+        copied = RowsTail(tail.start, None if tail.rows is None else tail.rows.clone())
+        out[name] = copied if isinstance(kept, RowsTail) else CompressedState(copied)
+    return out
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
@@ -203,6 +244,13 @@ def request_bytes(config: V4Config, num_mtp_layers: int, element_size: int) -> i
             values += (config.compress_rates[HCA] + ROLLBACK_TOKENS) * 2 * config.head_dim
     return values * element_size
 
+
+
+def prefix_hit_rule(config: V4Config, page_size: int) -> tuple[int, bool]:
+    """Prefix-cache hits end where every compressed window is closed and the entry rows of a page are the page's
+    own (a multiple of the page size and of every compress rate), and only where the ranks snapshotted the bounded
+    per-request state (module docstring)."""
+    return math.lcm(page_size, *config.compress_rates.values()), True
 
 
 def make_cache(config: V4Config, num_mtp_layers: int, num_pages: int, page_size: int, weights_dtype: torch.dtype,

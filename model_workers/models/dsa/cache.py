@@ -50,8 +50,17 @@ class PagedKVCache:
         """The plan's contract: `table` has pages (on this cache) for positions 0..num_tokens-1."""
         check_page_room(table, num_tokens, self.page_size, self.num_pages)
 
-    def release(self, pages) -> None:
+    def release(self, key) -> None:
         """Nothing to drop: a request's keys live in its pages only (the scheduler frees them)."""
+
+    def snapshot_state(self, table: PageTable, end: int) -> None:
+        """Nothing to keep: a cached page holds everything a later request reads back (prefix caching)."""
+
+    def drop_snapshots(self, pages) -> None:
+        """No snapshots are kept."""
+
+    def clear_states(self) -> None:
+        """No per-request state is kept."""
 
     def encode(self, latent: torch.Tensor, index_key: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Computed keys latent [T, C + R], index_key [T, D_idx] or None -> their stored rows (quantized under FP8)."""
