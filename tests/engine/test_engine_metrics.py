@@ -117,7 +117,8 @@ def test_the_interval_is_checked():
 
 
 LINE = re.compile(r"engine: \d+ running, \d+ waiting, KV \d+\.\d% \(max cp_rank \d+\.\d%\), prefill \d+\.\d tokens/s, "
-                  r"generation \d+\.\d tokens/s(, mean acceptance length (\d+\.\d\d))?")
+                  r"generation \d+\.\d tokens/s(, mean acceptance length (\d+\.\d\d))?"
+                  r"(, prefix cache hit rate \d+\.\d%)?")
 
 
 def test_a_real_engine_reports_its_times_counters_and_status_lines(caplog):

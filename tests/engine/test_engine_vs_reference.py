@@ -177,3 +177,29 @@ def test_v4_at_c2_with_chunked_prefill_and_mtp_matches_transformers(cluster, mod
         assert result["token_ids"] == out[0, len(prompt):].tolist()
     assert 16 in watch.prefixes and 32 in watch.prefixes
 
+
+
+@pytest.mark.parametrize("model, cp_size, k", [("v32", 2, 2), ("glm", 2, 0), ("glm", 1, 2), ("v4", 1, 0), ("v4", 1, 2),
+                                               ("v4", 2, 1)])
+def test_greedy_tokens_after_a_prefix_cache_hit_equal_transformers(cluster, models, model, cp_size, k):
+    """A document and a question; then the document with another question and the chat's next turn, each after
+    the one before ended: they start at a cached prefix (DeepSeek-V4: at a snapshot of its window and compressor
+    state) and still decode transformers' greedy tokens."""
+    ref, folder = models[model]
+    settings = dict(prefill_token_budget=CHUNK, num_speculative_steps=k)
+    engine = cluster.engine(2, folder, "zigzag", "v2", return_logits=False, **settings) if cp_size == 2 else \
+        local_engine(folder, EngineOptions(num_pages=64, page_size=8, **settings))
+    doc, first_q, other_q, turn = make_prompts([40, 6, 5, 4], seed=23)
+    first = doc + first_q
+    answer = asyncio.run(greedy_after_cache(engine, "first", first))[0]
+    assert answer == reference_greedy(ref, first, 8, eos_token_id=None)
+    for name, prompt in (("other", doc + other_q), ("turn", first + answer + turn)):
+        tokens, cached = asyncio.run(greedy_after_cache(engine, name, prompt))
+        assert cached >= (40 if k == 0 else 32), name  # with speculation page 5's MTP row read the question
+        assert tokens == reference_greedy(ref, prompt, 8, eos_token_id=None), name
+    asyncio.run(engine.drain())
+
+
+async def greedy_after_cache(engine, name: str, prompt: list[int]) -> tuple[list[int], int]:
+    chunks = await chunks_of(engine, EngineRequest(name, tuple(prompt), 8, temperature=0.0, ignore_eos=True))
+    return [t for c in chunks for t in c.token_ids], chunks[-1].cached_tokens
