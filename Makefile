@@ -43,6 +43,7 @@ bench: install
 	$(DSA) bench serve --engine-placement separate --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_separate.json
 	$(DSA) bench serve --engine-placement colocated --no-direct-ingress --concurrency 1,8,32 --skip-transformers --json > $(BENCH_DIR)/serve_colocated_proxy.json
 	$(HARNESS) serve --workload long --speculative-num-steps 2 --json > $(BENCH_DIR)/serve_long.json
+	$(DSA) bench serve --workload shared-prefix --json > $(BENCH_DIR)/serve_shared_prefix.json
 	$(DSA) bench ep --json > $(BENCH_DIR)/ep.json
 	$(DSA) bench ep-exchange --json > $(BENCH_DIR)/ep_exchange.json
 	$(DSA) bench kv-cache --json > $(BENCH_DIR)/kv_cache.json

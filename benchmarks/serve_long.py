@@ -20,6 +20,7 @@ from pathlib import Path
 from cluster.bench.common import cut_windows, held_out_stream, model_fingerprint, spelled_command, window_offsets
 from cluster.bench.serve import DEFAULT_SHORT_CONCURRENCY
 from cluster.bench.serve_result import DEFINITIONS, assemble_run, machine, ratio
+from cluster.bench.shared_prefix import reject_shared_prefix_flags
 from cluster.commands.args import int_list
 from cluster.commands.result_output import print_result
 
@@ -54,11 +55,9 @@ def resolve_workload(args: argparse.Namespace) -> None:
     """Fills the per-workload defaults into `args` (cluster/bench/serve.py `check_arguments` calls it); ValueError
     naming the flag that does not fit the workload."""
     long = args.workload == "long"
+    reject_shared_prefix_flags(args)
     if not long:
-        for flag, value in (("--long-prompt-lens", args.long_prompt_lens),
-                            ("--efficiency-prefill-len", args.efficiency_prefill_len)):
-            if value is not None:
-                raise ValueError(f"{flag} is a --workload long flag (this run is --workload {args.workload})")
+        reject_long_flags(args)
     elif args.prompt_len:
         raise ValueError("--prompt-len is a --workload short flag; the long workload's lengths are --long-prompt-lens")
     args.concurrency = args.concurrency or (DEFAULT_LONG_CONCURRENCY if long else DEFAULT_SHORT_CONCURRENCY)
@@ -66,12 +65,22 @@ def resolve_workload(args: argparse.Namespace) -> None:
     args.in_process_skipped_by_default = long and args.skip_in_process is None
     args.skip_in_process = long if args.skip_in_process is None else args.skip_in_process
     if long:
+        # it measures prefill against transformers, which caches nothing, and its prompts repeat across levels
+        args.disable_radix_cache = True
         args.long_prompt_lens = args.long_prompt_lens or DEFAULT_LONG_LENS
         int_list(args.long_prompt_lens, "--long-prompt-lens", 1, 1 << 20)
         args.efficiency_prefill_len = (DEFAULT_EFFICIENCY_LEN if args.efficiency_prefill_len is None
                                        else args.efficiency_prefill_len)
         if args.efficiency_prefill_len < 0:
             raise ValueError(f"--efficiency-prefill-len must be >= 0, got {args.efficiency_prefill_len}")
+
+
+def reject_long_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a long-workload flag given to another workload."""
+    for flag, value in (("--long-prompt-lens", args.long_prompt_lens),
+                        ("--efficiency-prefill-len", args.efficiency_prefill_len)):
+        if value is not None:
+            raise ValueError(f"{flag} is a --workload long flag (this run is --workload {args.workload})")
 
 
 def long_plan(args: argparse.Namespace, levels: list[int]) -> tuple[list[int], int]:

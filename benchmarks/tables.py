@@ -97,6 +97,8 @@ def decode_table(result: dict) -> list[str]:
 def serve_table(result: dict) -> list[str]:
     if result.get("workload") == "long":
         return long_table(result)
+    if result.get("workload") == "shared-prefix":
+        return shared_prefix_table(result)
 
     def p50(run: dict | None, key: str):
         return ((run or {}).get(key) or {}).get("p50")
@@ -106,6 +108,29 @@ def serve_table(result: dict) -> list[str]:
              r.get("throughput_vs_transformers")] for r in result.get("runs", [])]
     return markdown_table(["C", "tokens/s", "TTFT p50 s", "ITL p50 s", "TTFT HTTP / in-proc", "ITL HTTP / in-proc",
                            "transformers tokens/s", "x transformers"], rows)
+
+
+def shared_prefix_table(result: dict) -> list[str]:
+    """Per phase and side: hit rate, prefilled tokens, TTFT p50 / p90, tokens/s; then the on / off ratios."""
+    rows = []
+    for phase, sides in result["phases"].items():
+        for side, m in sides.items():
+            rows.append([phase, side, m["num_requests"], m["hit_rate"], m["prefilled_tokens"], m["prompt_tokens"],
+                         m["ttft_s"]["p50"], m["ttft_s"]["p90"], m["output_tokens_per_s"]])
+            if "later_questions" in m:
+                later = m["later_questions"]
+                rows.append([f"{phase}: later questions", side, later["num_requests"], later["hit_rate"],
+                             later["prefilled_tokens"], later["prompt_tokens"], later["ttft_s"]["p50"],
+                             later["ttft_s"]["p90"], later["output_tokens_per_s"]])
+    lines = markdown_table(["phase", "cache", "requests", "hit rate", "prefilled tokens", "prompt tokens",
+                            "TTFT p50 s", "TTFT p90 s", "tokens/s"], rows)
+    targets = result.get("targets", {})
+    ratio_rows = [[name, value, targets.get(name, {}).get("target")] for name, value in result["ratios"].items()]
+    sizes = result["sizes"]
+    return lines + ["", f"{sizes['num_docs']} documents of {sizes['doc_len']} tokens x {sizes['questions_per_doc']} "
+                        f"questions, {sizes['conversations']} conversations x {sizes['turns']} turns, "
+                        f"{sizes['num_prompts']} unshared prompts at {result.get('concurrency')} streams; on / off:",
+                    ""] + markdown_table(["ratio", "on / off", "target"], ratio_rows)
 
 
 def generic_table(result: dict) -> list[str]:

@@ -19,6 +19,7 @@ GIB = 1 << 30
 Outcome = tuple[str, bool] | None
 HARNESS_SERVE = f"{HARNESS_PROGRAM} serve"
 LONG = f"{HARNESS_SERVE} --workload long"
+SHARED_PREFIX = "dsa-serve bench serve --workload shared-prefix"
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,23 @@ def prefill_flop_efficiency(results: dict[str, list[dict]]) -> Outcome:
     return combine(outcomes)
 
 
+def shared_prefix_ratio(name: str, doc_len: int = 0, concurrency: int | None = None
+                        ) -> Callable[[dict[str, list[dict]]], Outcome]:
+    """Ratio `name` (cache on / off, one run) of the shared-prefix runs with documents of at least `doc_len`
+    tokens (and at `concurrency` streams, if given) against its limit (cluster/bench/shared_prefix_report.py)."""
+    from cluster.bench.shared_prefix_report import RATIOS
+
+    *_, sign, limit = RATIOS[name]
+
+    def check(results: dict[str, list[dict]]) -> Outcome:
+        runs = [r for r in serve_results(results, "shared-prefix") if (r.get("ratios") or {}).get(name) is not None
+                and r["sizes"]["doc_len"] >= doc_len and concurrency in (None, r.get("concurrency"))]
+        return combine([(f"{r['ratios'][name]:.3f}x (documents of {r['sizes']['doc_len']} tokens)",
+                         r["ratios"][name] <= limit if sign == "<=" else r["ratios"][name] >= limit) for r in runs])
+
+    return check
+
+
 def combine(outcomes: list[tuple[str, bool]]) -> Outcome:
     """Several results measuring one target: every one must pass."""
     if not outcomes:
@@ -222,6 +240,14 @@ TARGETS = (
     Target("long context: throughput at 16k, concurrency 4 >= 20x transformers", "serve",
            long_ratio("throughput_ratio_vs_transformers", 16384, 4, lambda x: x >= 20), LONG),
     Target("prefill FLOP efficiency >= 0.5 (the long workload's prefill)", "serve", prefill_flop_efficiency, LONG),
+    Target("prefix cache: TTFT of a request whose first 8k tokens are cached <= 0.1x cache off", "serve",
+           shared_prefix_ratio("cached_prefix_ttft_p50_ratio", doc_len=8192), SHARED_PREFIX),
+    Target("prefix cache, multi-turn chat: prefilled tokens <= 0.2x cache off", "serve",
+           shared_prefix_ratio("chat_prefilled_tokens_ratio"), SHARED_PREFIX),
+    Target("prefix cache, multi-turn chat: TTFT p50 <= 0.25x cache off", "serve",
+           shared_prefix_ratio("chat_ttft_p50_ratio"), SHARED_PREFIX),
+    Target("prefix cache, nothing shared: tokens/s at 32 streams >= 0.9x cache off (median of 3 rounds)", "serve",
+           shared_prefix_ratio("no_sharing_throughput_ratio", concurrency=32), SHARED_PREFIX),
 )
 
 

@@ -10,7 +10,10 @@ forwards each as one SSE event, so both paths see the same chunks:
   (`tokens_per_chunk` reports how many tokens a chunk carried on average);
 * TPOT = (last chunk - first chunk) / (tokens - 1), one value per request with at least two tokens.
 
-Over HTTP the token count of a request is the `usage.completion_tokens` of the stream's final usage event.
+Over HTTP the token count of a request is the `usage.completion_tokens` of the stream's final usage event; the same
+event gives `prompt_tokens` and, where the server reports it (OpenAI's `usage.prompt_tokens_details`), the prompt
+tokens its prefix cache served (`cached_tokens`, None when absent). The text of every chunk is kept (`text`: what
+a multi-turn client sends back).
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ class RequestTiming:
     sent: float
     chunk_times: list[float] = field(default_factory=list)
     tokens: int = 0
+    prompt_tokens: int = 0  # over HTTP: usage.prompt_tokens
+    cached_tokens: int | None = None  # over HTTP: usage.prompt_tokens_details.cached_tokens, None if not sent
+    texts: list[str] = field(default_factory=list)  # over HTTP: each chunk's text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
     @property
     def ttft_s(self) -> float:
@@ -116,9 +126,18 @@ def apply_sse_line(timing: RequestTiming, line: str, now: float) -> bool:
         raise RuntimeError(f"the server failed the request mid-stream: {event['error']}")
     if event.get("choices"):
         timing.chunk_times.append(now)
+        timing.texts.append(event["choices"][0].get("text") or "")
     if event.get("usage"):
-        timing.tokens = event["usage"]["completion_tokens"]
+        record_usage(timing, event["usage"])
     return True
+
+
+def record_usage(timing: RequestTiming, usage: dict) -> None:
+    """The stream's usage event: completion and prompt tokens, and the prefix cache's share when reported."""
+    timing.tokens = usage["completion_tokens"]
+    timing.prompt_tokens = usage.get("prompt_tokens") or 0
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    timing.cached_tokens = None if cached is None else int(cached)
 
 
 async def http_request(session, url: str, body: dict) -> RequestTiming:

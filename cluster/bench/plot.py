@@ -34,10 +34,16 @@ def save_plot(result: dict, path: str) -> None:
 
 
 def serve_plot(result: dict, path: str) -> None:
-    """Draws and saves its own figure: serve_result's three panels (a long-workload result: the harness's plot)."""
+    """Draws and saves its own figure: serve_result's three panels (a long-workload result: the harness's plot; a
+    shared-prefix one: shared_prefix_report's)."""
     if result.get("workload") == "long":
         raise ValueError("a --workload long result is plotted by the repository's harness (benchmarks/"
                          "serve_long_report.py, `python -m benchmarks report`)")
+    if result.get("workload") == "shared-prefix":
+        from cluster.bench.shared_prefix_report import plot as plot_shared_prefix
+
+        plot_shared_prefix(result, path)
+        return
     plot_serve(result, path)
 
 

@@ -10,6 +10,8 @@ shared machine taxes both alike), and HTTP / in-process is the serving overhead 
 With --url, --model/--cp-*/--speculative-num-steps/--dtype/--device must describe that server (the in-process
 engine is built from them); the model name is checked.
 With --json the JSON object is the last line of stdout (Ray may print lines of its own before it).
+`--workload shared-prefix` measures the prefix cache: two servers, cache on and off, on the same shared-prefix
+requests in one run (shared_prefix_run.py).
 The `transformers` comparisons are the repository's harness (not installed): `python -m benchmarks serve` runs this
 command's measurement plus batched `transformers` generate on the same prompts, and `--workload long` (held-out
 prompts of 4k-16k tokens, the prefill's FLOP efficiency); see docs/benchmarks.md. Here the result's `transformers`
@@ -25,16 +27,17 @@ from typing import Callable
 
 import torch
 
-from cluster.bench.common import PROMPTS, model_fingerprint, spelled_command
+from cluster.bench.common import MIN_REQUESTS_PER_LEVEL, PROMPTS, model_fingerprint, spelled_command
 from cluster.bench.serve_result import DEFINITIONS, assemble_run, machine, plot, summary_text
 from cluster.bench.serve_server import NEGATABLE_FLAGS, SERVE_FLAGS, measure_served, server_info
+from cluster.bench.shared_prefix import WORKLOAD as SHARED_PREFIX
+from cluster.bench.shared_prefix import add_shared_prefix_arguments, reject_shared_prefix_flags, resolve_shared_prefix
 from cluster.commands.args import add_server_arguments, int_list
 from cluster.commands.result_output import print_result
 from cluster.config import check_speculative_steps
 from cluster.serve_settings import API_KEY_ENV
 
-MIN_REQUESTS_PER_LEVEL = 32  # TTFT p50 at one stream from 16 requests per path (8 per round) spread 1.07-1.34x
-WORKLOADS = ("short", "long")
+WORKLOADS = ("short", "long", SHARED_PREFIX)
 DEFAULT_SHORT_CONCURRENCY = "1,8,32,64"
 HARNESS_BASELINE = "the transformers baseline runs in the repository's harness: python -m benchmarks serve"
 LONG_IN_HARNESS = ("--workload long compares against transformers and runs in the repository's harness, from a "
@@ -53,9 +56,12 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     add_server_arguments(bench, dtype_default="bfloat16")
     bench.add_argument("--workload", choices=WORKLOADS, default="short",
                        help="short: short code prompts (or --prompt-len random ones); long: held-out prompts of "
-                            "4k-16k tokens against transformers, run by the harness (python -m benchmarks serve)")
+                            "4k-16k tokens against transformers, run by the harness (python -m benchmarks serve); "
+                            "shared-prefix: documents asked several questions and multi-turn chats, the prefix "
+                            "cache on against off")
     bench.add_argument("--concurrency", default=None, help="comma list of closed-loop client counts (default "
-                                                           "1,8,32,64; --workload long: 1,4)")
+                                                           "1,8,32,64; --workload long: 1,4; --workload "
+                                                           "shared-prefix: one level, 32, its no-sharing phase)")
     bench.add_argument("--num-prompts", type=int, default=None,
                        help="requests per level and path, split over the alternating rounds (default max(32, 4 x C);"
                             " --workload long: the largest C, in one round)")
@@ -73,12 +79,14 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="no transformers generate baseline (it runs only in `python -m benchmarks serve`)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the results into this image")
+    add_shared_prefix_arguments(bench)
 
 
 def short_workload(args: argparse.Namespace) -> None:
     """The short workload's defaults; ValueError for --workload long, which the harness runs."""
-    if args.workload != "short":
+    if args.workload == "long":
         raise ValueError(LONG_IN_HARNESS)
+    reject_shared_prefix_flags(args)
     args.concurrency = args.concurrency or DEFAULT_SHORT_CONCURRENCY
     args.skip_in_process = bool(args.skip_in_process)
 
@@ -146,6 +154,10 @@ def build_result(args, model_dir: Path, cp, prompts: list, levels: list[int], ht
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == SHARED_PREFIX:
+        from cluster.bench.shared_prefix_run import run_shared_prefix
+
+        return run_shared_prefix(args, check_arguments(args, resolve_shared_prefix))
     return run_short(args, check_arguments(args))
 
 

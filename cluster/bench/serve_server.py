@@ -28,14 +28,30 @@ def start_server(settings) -> str:
 
     Serve runs on the Ray this command started and goes down with it (`ray.shutdown`).
     """
+    return start_app(settings, start_proxy())
+
+
+def start_proxy() -> int:
+    """Serve on this Ray, its proxy on a free local port (returned)."""
+    from ray import serve
+
+    proxy_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+    return proxy_port
+
+
+def start_app(settings, proxy_port: int, name: str | None = None, route_prefix: str = "/") -> str:
+    """One more app of `dsa-serve serve` (one engine replica) on the running Serve, named `name` (default `serve`'s
+    own) at `route_prefix`; its URL: the proxy's at that prefix, or the HTTP replica's own port with direct
+    ingress."""
     from ray import serve
 
     from cluster.serve_app import APP_NAME, build_application
 
-    proxy_port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
-    serve.run(build_application(settings, 1), name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{settings.direct_ingress_port or proxy_port}"
+    serve.run(build_application(settings, 1), name=name or APP_NAME, route_prefix=route_prefix)
+    if settings.direct_ingress_port:
+        return f"http://127.0.0.1:{settings.direct_ingress_port}"
+    return f"http://127.0.0.1:{proxy_port}{route_prefix.rstrip('/')}"
 
 
 def served_models(url: str, headers: dict) -> list[str]:
