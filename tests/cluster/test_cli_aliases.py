@@ -86,3 +86,12 @@ def test_deterministic_inference_flag_reaches_the_engine_options():
     got = settings(["serve", "--enable-deterministic-inference"])
     assert got.enable_deterministic_inference and engine_options(got, resolve_model_dir(None)).deterministic
     assert not engine_options(settings(["serve"]), resolve_model_dir(None)).deterministic
+
+
+def test_prefix_caching_is_on_and_sglang_or_vllm_flags_turn_it_off():
+    assert settings(["serve"]).prefix_caching_enabled
+    off = [settings(["serve", flag]) for flag in ("--disable-radix-cache", "--no-enable-prefix-caching")]
+    assert [s.prefix_caching_enabled for s in off] == [False, False]
+    assert settings(["serve", "--enable-prefix-caching"]).prefix_caching_enabled
+    with pytest.raises(ValueError, match="--disable-radix-cache and --enable-prefix-caching contradict"):
+        settings(["serve", "--disable-radix-cache", "--enable-prefix-caching"])
