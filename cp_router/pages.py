@@ -33,17 +33,21 @@ def pages_for(tokens: int, page_size: int) -> int:
     return ceil_div(tokens, page_size)
 
 
+MAX_SNAPSHOTS = 32  # state snapshots a rank keeps at most (each up to the family's bounded per-request state)
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, max_snapshots: int = MAX_SNAPSHOTS):
         if num_pages <= 0:
             raise ValueError(f"num_pages={num_pages}: must be positive")
-        self.num_pages = num_pages
+        self.num_pages, self.max_snapshots = num_pages, max_snapshots
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._refs: dict[int, int] = {}  # page in use -> requests holding it
         self._key_of: dict[int, bytes] = {}  # indexed page -> its content key
         self._page_of: dict[bytes, int] = {}  # content key -> the page holding it
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced indexed pages, least recent first
-        self._snapshots: set[int] = set()  # pages whose end the ranks keep a state snapshot for
+        self._snapshots: OrderedDict[int, None] = OrderedDict()  # pages whose end a rank keeps a state snapshot for,
+        # least recently marked or hit first
         self._dropped_snapshots: list[int] = []
         self.evictions = 0  # cached pages reused for other content
 
@@ -99,15 +103,15 @@ class PageAllocator:
                 self._to_free_list(page)
 
     def _to_free_list(self, page: int) -> None:
-        if page in self._snapshots:
-            self._snapshots.discard(page)
-            self._dropped_snapshots.append(page)
+        self._drop_snapshot(page)
         self._free.append(page)
 
     def _unindex(self, page: int) -> None:
         del self._page_of[self._key_of.pop(page)]
-        if page in self._snapshots:
-            self._snapshots.discard(page)
+        self._drop_snapshot(page)
+
+    def _drop_snapshot(self, page: int) -> None:
+        if self._snapshots.pop(page, 0) is None:
             self._dropped_snapshots.append(page)
 
     # the content index -----------------------------------------------------------------------------
@@ -138,6 +142,8 @@ class PageAllocator:
                 raise ValueError(f"page {page} is not indexed: only cached prefix pages are shared")
             if page in self._cached:
                 del self._cached[page]
+            if page in self._snapshots:
+                self._snapshots.move_to_end(page)
             self._refs[page] = self._refs.get(page, 0) + 1
 
     def evictable_among(self, pages: list[int]) -> int:
@@ -147,7 +153,9 @@ class PageAllocator:
     def mark_snapshot(self, page: int) -> None:
         if self._refs.get(page, 0) <= 0:
             raise ValueError(f"page {page} is not in use")
-        self._snapshots.add(page)
+        self._snapshots[page] = None
+        while len(self._snapshots) > self.max_snapshots:  # the rank's memory for them is bounded
+            self._drop_snapshot(next(iter(self._snapshots)))
 
     def has_snapshot(self, page: int) -> bool:
         return page in self._snapshots
@@ -186,7 +194,7 @@ class PageAllocator:
         if len(free) + len(used) + len(cached) != self.num_pages:
             raise AssertionError(f"pages lost: {len(free)} free + {len(used)} used + {len(cached)} cached "
                                  f"!= {self.num_pages}")
-        if not cached <= set(self._key_of) or not self._snapshots <= used | cached:
+        if not cached <= set(self._key_of) or not set(self._snapshots) <= used | cached:
             raise AssertionError("a cached page without a key, or a snapshot on a free page")
         if {self._page_of[k] for k in self._page_of} != set(self._key_of):
             raise AssertionError("index maps disagree")

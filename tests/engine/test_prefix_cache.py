@@ -187,6 +187,20 @@ def test_evicting_a_snapshot_page_tells_its_rank():
     assert snapshot_page in step.plans[0].drop_snapshots
 
 
+def test_a_rank_keeps_a_bounded_number_of_snapshots_least_recently_used_dropped_first():
+    allocator = PageAllocator(8, max_snapshots=2)
+    pages = allocator.allocate(3)
+    for page, key in zip(pages, [b"a", b"b", b"c"]):
+        allocator.register(page, key)
+    allocator.mark_snapshot(pages[0])
+    allocator.mark_snapshot(pages[1])
+    allocator.share([pages[0]])  # a hit on page 0: used most recently now
+    allocator.mark_snapshot(pages[2])
+    assert allocator.take_dropped_snapshots() == [pages[1]]
+    assert [allocator.has_snapshot(p) for p in pages] == [True, False, True]
+    allocator.check()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_interleavings_keep_reference_counts_exact(seed: int):
     rng = random.Random(seed)
