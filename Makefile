@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install serve test bench soak clean
+.PHONY: install serve test test-slow bench soak clean
 
 # constraints.txt: the versions the suite last passed with (clients such as openai change between releases)
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -17,8 +17,13 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/dsa-serve serve
 
+# The suite without the slow end-to-end runs (a short soak, the bench serve workloads against real servers,
+# routing across two engine replicas): those are `make test-slow`, so that `make test` stays under 25 minutes on CI.
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: install
+	$(PY) -m pytest -q -m slow tests
 
 # Every benchmark, then BENCHMARKS.md and docs/bench/*.png: about 50-60 minutes on a 2-core CPU machine, the soak
 # not included (`make soak`, about 13 more). On 2026-12-03 the commands other than attention, decode_draft_*,

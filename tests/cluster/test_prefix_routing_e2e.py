@@ -22,6 +22,7 @@ from cp_router.protocol import EngineRequest
 from support.serve_process import free_port
 
 PAGE_SIZE, VOCAB = 64, 6144  # the default model's vocabulary
+pytestmark = pytest.mark.slow  # two engine replicas on a local Ray: `make test-slow`
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,7 @@ def test_greedy_tokens_after_a_prefix_cache_hit_equal_transformers(cluster, mode
     the one before ended: they start at a cached prefix (DeepSeek-V4: at a snapshot of its window and compressor
     state) and still decode transformers' greedy tokens."""
     ref, folder = models[model]
-    settings = dict(prefill_token_budget=CHUNK, num_speculative_steps=k)
+    settings = dict(prefill_token_budget=CHUNK, num_speculative_steps=k, enable_prefix_caching=True)
     engine = cluster.engine(2, folder, "zigzag", "v2", return_logits=False, **settings) if cp_size == 2 else \
         local_engine(folder, EngineOptions(num_pages=64, page_size=8, **settings))
     doc, first_q, other_q, turn = make_prompts([40, 6, 5, 4], seed=23)

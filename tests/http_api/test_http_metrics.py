@@ -25,6 +25,8 @@ def record_everything(metrics: ServeMetrics) -> None:
     metrics.add_speculation(drafts=3, draft_tokens=6, accepted_per_position=[3, 1])
     metrics.observe_cp_prefill(gathered_bytes=4096, seconds=0.01)
     metrics.add_preemptions()
+    metrics.add_prefix_cache(queries=400, hits=256)
+    metrics.set_prefix_cache_pages(cp_rank=1, pages=4)
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -48,7 +50,9 @@ def test_every_metric_is_prefixed_and_labelled_by_replica_and_model():
     assert rendered[("dsa_serve:request_time_per_output_token_seconds_sum", LABELS)] == pytest.approx(1.3 / 2)
     assert rendered[("dsa_serve:request_generation_tokens_sum", LABELS)] == 3
     assert rendered[("dsa_serve:metrics_scrape_errors_total", LABELS)] == 1
-    assert len(METRIC_SPECS) == 25
+    assert rendered[("dsa_serve:prefix_cache_hits_total", LABELS)] == 256
+    assert rendered[("dsa_serve:prefix_cache_pages", (("cp_rank", "1"), *LABELS))] == 4
+    assert len(METRIC_SPECS) == 28
 
 
 def test_speculative_counters_are_vllms_and_give_the_mean_acceptance_length():

@@ -98,7 +98,8 @@ class Cluster:
         """A fresh engine over the group's workers with this CP layout (return_logits on: tests read them)."""
         cp = ResolvedCPConfig(enabled=True, cp_size=cp_size, strategy=strategy, impl=impl, ep_size=ep_size)
         settings = dict(dtype=dtype, num_pages=NUM_PAGES, page_size=PAGE_SIZE, return_logits=True,
-                        prefill_token_budget=NUM_PAGES * PAGE_SIZE)
+                        prefill_token_budget=NUM_PAGES * PAGE_SIZE,
+                        enable_prefix_caching=False)  # CP prefill tests: each prompt prefilled whole, in one step
         options = EngineOptions(**{**settings, **options})
         return engine_over_workers(resolve_engine_spec(folder, cp, options),
                                    self.group(cp_size, folder, dtype, ep_size, options.kv_cache_dtype).workers)
@@ -149,7 +150,7 @@ class PrefillRun:
             self.outputs[piece.request_id] = next(r.outputs[piece.request_id] for r in results if r.cp_rank == owner)
             s = [r.request_id for r in shards[owner].requests].index(piece.request_id)  # in the owner's shard
             pages, tokens = shards[owner].page_tables[s], piece.prefix_len + piece.extend_len
-            self.kv[piece.request_id] = await workers[owner].export_kv.remote(list(pages), tokens)
+            self.kv[piece.request_id] = await workers[owner].export_kv.remote(list(pages), tokens, piece.request_id)
         self.held = list(await asyncio.gather(*[w.held_requests.remote() for w in workers]))
 
 
