@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, runtime_checkable
 
+from cp_router.grammar_spec import GrammarSpec
 from cp_router.sampling import FinishReason
 
 
@@ -39,6 +40,7 @@ class EngineRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     skip_special_tokens: bool = True  # special tokens are left out of the text (their ids are returned)
     include_stop_str_in_output: bool = False  # the matched stop string ends the text instead of being cut
+    grammar: GrammarSpec | None = None  # structured outputs (cp_router/grammar_spec.py); None: unconstrained
 
 
 @dataclass(frozen=True)

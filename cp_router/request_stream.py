@@ -19,7 +19,7 @@ def sampling_of(request: EngineRequest) -> SamplingParams:
         min_tokens=request.min_tokens, max_tokens=request.max_tokens, stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos, logprobs=request.logprobs, repetition_penalty=request.repetition_penalty,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty, min_p=request.min_p,
-        logit_bias=tuple(request.logit_bias), prompt_logprobs=request.prompt_logprobs,
+        logit_bias=tuple(request.logit_bias), prompt_logprobs=request.prompt_logprobs, grammar=request.grammar,
     )
 
 

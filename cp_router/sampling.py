@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cp_router.grammar_spec import GrammarSpec
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -31,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # output tokens: logit -= frequency * count
     min_p: float = 0.0  # tokens below min_p x the top probability are dropped (0 = off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: GrammarSpec | None = None  # structured outputs: tokens the grammar rejects are masked (None: free)
 
     def __post_init__(self):
         checks = [
