@@ -28,7 +28,8 @@ class PrefillRequest:
     sampling: SamplingParams = SamplingParams()
     final_chunk: bool = True  # False: more prompt chunks follow
     num_generated: int = 0  # prompt tail that is output recomputed after preemption (RNG index, min_tokens)
-    context_ids: tuple[int, ...] = ()  # final chunk of a request with penalties: its whole context (prompt + outputs)
+    # final chunk of a request with penalties, or a recomputed constrained one: its context (prompt + outputs)
+    context_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # k >= 0: the owner scores the chunk's prompt tokens (None: off / recompute)
     # A recomputed request (preempted, or its ranks lost): the output token it already streamed after this
     # context. It stands in for the sample (the MTP layer and the history take it) and nothing new is emitted,
@@ -116,3 +117,5 @@ class StepResult:
     peak_rss_bytes: int = 0  # the worker process's peak resident memory so far
     decode_model_s: dict[str, float] = field(default_factory=dict)  # decode forwards: plain / draft / verify
     decode_steps: dict[str, int] = field(default_factory=dict)  # decode steps run: plain / speculative
+    grammar_mask_s: float = 0.0  # structured outputs: seconds spent computing grammar masks, and how many
+    grammar_masks: int = 0

@@ -204,7 +204,8 @@ def _shards(scheduler, pieces: tuple[Piece, ...], owners: tuple[int, ...],
         seq = scheduler.requests[piece.request_id]
         context = seq.context_ids()
         end = piece.prefix_len + piece.extend_len
-        history = tuple(context) if piece.final and seq.sampling.needs_history else ()
+        replays = seq.sampling.grammar is not None and seq.num_generated_at_prefill > 0  # its matcher replays them
+        history = tuple(context) if piece.final and (seq.sampling.needs_history or replays) else ()
         requests.append(PrefillRequest(seq.request_id, owner, seq.sampling, piece.final, seq.num_generated_at_prefill,
                                        history, seq.wants_prompt_logprobs(),
                                        seq.resume_token() if piece.final else None, piece.snapshot))

@@ -17,6 +17,8 @@ from cp_router.cp.metadata import RankMetadata
 from cp_router.plans import NEXT_ID_SAMPLED, PrefillShard, RequestOutput
 from model_workers.comm import LocalComm
 from model_workers.cp_rows import CPRows, gather_rows_global
+from model_workers.grammar.compile_cache import GrammarCache
+from model_workers.grammar.request_grammar import RequestGrammar
 from model_workers.logits_processing import TokenHistory
 from model_workers.models.common.topk_sharing import TopkMemo, position_slots
 from model_workers.models.family import ModelFamily
@@ -41,6 +43,8 @@ class PrefillContext:
     draft_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # owned: MTP output at the last row [D]
     draft_topk: dict[str, torch.Tensor] = field(default_factory=dict)  # owned, index sharing: its top-k slots [k']
     histories: dict[str, TokenHistory] = field(default_factory=dict)  # owned, with penalties: tokens so far
+    grammar_cache: GrammarCache | None = None  # compiled grammars of this process (None: no tokenizer to compile)
+    grammars: dict[str, RequestGrammar] = field(default_factory=dict)  # owned, constrained: the matcher so far
 
 
 def last_rows_global(meta: RankMetadata) -> torch.Tensor:
@@ -80,10 +84,11 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool,
     last_rows = last_rows_global(meta).to(ctx.device)  # [R]
     logits = model.logits(hidden_global[last_rows])  # [R, vocab] float32
     eos_ids = model.config.eos_token_ids
-    histories = [TokenHistory.of(req.context_ids, req.num_generated, model.config.vocab_size) if req.context_ids
-                 else None for req in shard.requests]
-    sampled = torch.tensor([next_token(logits[s], req, eos_ids, histories[s]) for s, req in enumerate(shard.requests)]
-                           )  # [R] int64, equal on every rank (counter-based randomness)
+    histories = [TokenHistory.of(req.context_ids, req.num_generated, model.config.vocab_size)
+                 if req.sampling.needs_history and req.context_ids else None for req in shard.requests]
+    grammars = [start_grammar(ctx, req, eos_ids) for req in shard.requests]
+    sampled = torch.tensor([next_token(logits[s], req, eos_ids, histories[s], grammars[s])
+                            for s, req in enumerate(shard.requests)])  # [R] int64, equal on every rank
     outputs = {}
     for s, req in enumerate(shard.requests):
         if req.owner_rank == ctx.cp_rank:
@@ -91,6 +96,10 @@ def run_prefill(ctx: PrefillContext, shard: PrefillShard, return_logits: bool,
             if histories[s] is not None:
                 histories[s].add(token)
                 ctx.histories[req.request_id] = histories[s]
+            if grammars[s] is not None:
+                grammars[s].advance(token)
+                grammars[s].commit()
+                ctx.grammars[req.request_id] = grammars[s]
             out = RequestOutput(req.request_id, token, logits[s].cpu() if return_logits else None,
                                 token_ids=[] if req.resume_token is not None else [token])
             if emits:
@@ -111,14 +120,30 @@ def drafts_needed(num_speculative_steps: int, return_logits: bool) -> bool:
     return num_speculative_steps > 0 or return_logits
 
 
-def next_token(logits: torch.Tensor, req, eos_ids: tuple[int, ...], history) -> int:
+def next_token(logits: torch.Tensor, req, eos_ids: tuple[int, ...], history, grammar) -> int:
     """The token after a request's chunk (logits [vocab]): a resumed request's streamed token, a sample on a
-    final chunk, else an argmax placeholder (a non-final chunk's token is never used)."""
+    final chunk (masked by its grammar, if any), else an argmax placeholder (a non-final chunk's token is never
+    used)."""
     if req.resume_token is not None:
         return req.resume_token
     if req.final_chunk:
-        return sample(logits, req.sampling, eos_ids, req.num_generated, history=history)
+        allowed = grammar.allowed() if grammar is not None else None
+        return sample(logits, req.sampling, eos_ids, req.num_generated, history=history, allowed=allowed)
     return int(logits.argmax())
+
+
+def start_grammar(ctx: PrefillContext, req, eos_ids: tuple[int, ...]) -> RequestGrammar | None:
+    """A constrained request's matcher at its final chunk, after the output a recompute folded into the context;
+    every rank that samples its token needs it (all ranks of a CP batch), and its owner keeps it."""
+    spec = req.sampling.grammar
+    if spec is None or not req.final_chunk or (req.resume_token is not None and req.owner_rank != ctx.cp_rank):
+        return None
+    if ctx.grammar_cache is None:
+        raise ValueError(f"request {req.request_id} is constrained ({spec.kind}) but this worker has no grammar "
+                         "backend: the checkpoint folder has no tokenizer.json")
+    output_ids = req.context_ids[len(req.context_ids) - req.num_generated :] if req.num_generated else ()
+    return RequestGrammar.start(ctx.grammar_cache, spec, tuple(req.sampling.stop_ids(eos_ids)) or eos_ids,
+                                tuple(output_ids))
 
 
 def score_prompt(ctx: PrefillContext, shard: PrefillShard, hidden_global: torch.Tensor,

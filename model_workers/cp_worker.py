@@ -26,6 +26,8 @@ from model_workers.checkpoint.loader import LoadReport, load_model_with_report
 from model_workers.comm import CollectiveError, LocalComm, ProcessGroupComm
 from model_workers.cp_prefill import PrefillContext, drafts_needed, run_prefill
 from model_workers.decode_loop import DecodeClock, DecodeState, HeldRequest, run_decode
+from model_workers.grammar.rank_grammars import RankGrammars
+from model_workers.grammar.request_grammar import MASK_CLOCK
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
 from model_workers.kernels.registry import kernel_set
 from model_workers.host_memory import bound_onednn_caches, keep_large_allocations_on_heap, release_free_heap
@@ -58,6 +60,7 @@ class CPWorker:
         self.prefilling: set[str] = set()  # requests mid chunked prefill here (V4 keeps their state meanwhile)
         self.exchange: ExpertExchange | None = None
         self.load_report: LoadReport | None = None
+        self.grammars: RankGrammars | None = None  # structured outputs: compiled on this rank's first constraint
 
     def init_comm(self, master_addr: str, master_port: int) -> None:
         """Joins the CP group (blocks until every rank has joined)."""
@@ -100,6 +103,7 @@ class CPWorker:
                                   kv_dtype=storage, exchange=self.exchange, kv_cache_dtype=spec.kv_cache_dtype,
                                   deterministic=spec.deterministic, kernels=kernels, graph_shape=graph_shape)
         self.held, self.prefilling = {}, set()
+        self.grammars = RankGrammars(model_dir, model.config.vocab_size)
         return {"cp_rank": self.cp_rank, "device": str(self.device), "threads": torch.get_num_threads(),
                 "compute_dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "draft_vocab_size": model.draft_vocab.size if model.draft_vocab is not None else None,
@@ -175,6 +179,7 @@ class CPWorker:
         result.comm_bytes_by_tag = dict(stats.bytes_by_tag)
         result.compute_s, result.cpu_s = wall_s - stats.seconds, time.process_time() - cpu_start
         result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        result.grammar_mask_s, result.grammar_masks = MASK_CLOCK.take()
         return result
 
     def free(self, request_ids: list[str]) -> None:
@@ -238,7 +243,7 @@ class CPWorker:
         tables = [PageTable(list(pages), prefix, req.request_id)
                   for req, pages, prefix in zip(shard.requests, shard.page_tables, shard.meta.prefix_lens)]
         ctx = PrefillContext(self.runner.model, self.runner.family, self.runner.backend, comm, self.cp_rank, tables,
-                             self.runner.page_size, self.device)
+                             self.runner.page_size, self.device, grammar_cache=self.grammars.cache_for(shard.requests))
         outputs = run_prefill(ctx, shard, return_logits, with_draft)
         for req, pages, prefix, extend in zip(shard.requests, shard.page_tables, shard.meta.prefix_lens,
                                               shard.meta.extend_lens):
@@ -252,7 +257,8 @@ class CPWorker:
             if req.owner_rank == self.cp_rank:
                 self.held[req.request_id] = HeldRequest(req.sampling, ctx.draft_hidden.get(req.request_id),
                                                         ctx.draft_topk.get(req.request_id),
-                                                        ctx.histories.get(req.request_id))
+                                                        ctx.histories.get(req.request_id),
+                                                        ctx.grammars.get(req.request_id))
             else:
                 self.runner.cache.release(req.request_id)  # DeepSeek-V4: a non-owner's copy of its state
         return outputs

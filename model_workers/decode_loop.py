@@ -31,6 +31,7 @@ from cp_router.sampling import SamplingParams
 from model_workers.models.common.topk_sharing import TopkMemo, reuse_rows
 from model_workers.expert_parallel import dp_forward_rows
 from model_workers.page_table import PageTable
+from model_workers.grammar.request_grammar import RequestGrammar
 from model_workers.logits_processing import TokenHistory
 from model_workers.runner import ExtendItem, ModelRunner
 from model_workers.sampler import draft_token, sample, token_logprob, verify
@@ -44,6 +45,7 @@ class HeldRequest:
     draft_hidden: torch.Tensor | None = None  # [D] MTP output at the last cached position
     draft_topk: torch.Tensor | None = None  # [k'] MTP top-k slots there (MTP index sharing only)
     history: TokenHistory | None = None  # prompt and output tokens, when its penalties need them
+    grammar: RequestGrammar | None = None  # structured outputs: the matcher over its output so far
 
 
 @dataclass
@@ -73,11 +75,15 @@ def emit(state: DecodeState, tokens: list[int], rows: torch.Tensor, eos_ids: tup
         state.out.token_ids.append(token)
         if state.held.history is not None:
             state.held.history.add(token)
+        if state.held.grammar is not None:
+            state.held.grammar.advance(token)
         kept, state.budget, state.index = kept + 1, state.budget - 1, state.index + 1
         state.out.finish_reason = params.finish_reason(token, state.index, eos_ids)  # "length" at budget 0
         if state.out.finish_reason is not None:
             state.finished = True
             break
+    if state.held.grammar is not None:
+        state.held.grammar.commit()
     state.last_token = state.out.token_id = state.out.token_ids[-1]
     return kept
 
@@ -98,6 +104,11 @@ class DecodeClock:
             self.seconds[phase] += time.perf_counter() - start
 
 
+def allowed_next(state: DecodeState) -> torch.Tensor | None:
+    """The tokens the request's grammar allows next ([V] bool), None when unconstrained."""
+    return state.held.grammar.allowed() if state.held.grammar is not None else None
+
+
 def group_rows(runner: ModelRunner, counts: list[int] | None, per_request: int, is_extend: bool):
     """The expert exchange rows of a forward where every request brings `per_request` rows (None: no EP)."""
     if counts is None:
@@ -116,7 +127,8 @@ def plain_step(runner: ModelRunner, states: list[DecodeState], return_logits: bo
     clock.steps["plain"] += 1
     argmax = logits.argmax(-1).tolist()  # [B]
     for b, state in enumerate(states):
-        token = sample(logits[b], state.held.sampling, eos_ids, state.index, argmax[b], state.held.history)
+        token = sample(logits[b], state.held.sampling, eos_ids, state.index, argmax[b], state.held.history,
+                       allowed_next(state))
         emit(state, [token], logits[b : b + 1], eos_ids)
         if return_logits:
             state.out.logits = logits[b].cpu()
@@ -144,9 +156,12 @@ def draft_chain(
         argmax = draft_logits.argmax(-1).tolist()  # [B]
         for b, state in enumerate(states):
             history = state.held.history.with_tokens(drafts[b]) if state.held.history is not None else None
-            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j, argmax[b], history)
+            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j, argmax[b], history,
+                                   allowed_next(state))
             drafts[b].append(token)
             probs[b].append(q)
+            if state.held.grammar is not None:  # the next draft's mask follows this one (taken back below)
+                state.held.grammar.advance(token)
         if j < k - 1:  # MTP position n + j takes (d_j, its own previous output)
             items = [ExtendItem(s.table, [drafts[b][j]]) for b, s in enumerate(states)]
             if shared is not None:  # top-k of the last draft-extend row + the chain's own keys n..n+j
@@ -154,6 +169,9 @@ def draft_chain(
                 shared.reuse = reuse_rows([s.held.draft_topk for s in states], tables, starts, j, runner.page_size)
             hidden = runner.extend_mtp(items, hidden, [n + j for n in starts], topk_memo=shared, is_extend=False,
                                        rows=group_rows(runner, counts, 1, False))  # [B, D]
+    for state in states:
+        if state.held.grammar is not None:
+            state.held.grammar.rollback(k)
     return drafts, probs
 
 
@@ -180,7 +198,7 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
     for b, (state, n) in enumerate(zip(states, starts)):
         params = state.held.sampling
         accepted, tokens = verify(logits[b], drafts[b], probs[b], params, eos_ids, state.index, argmax[b],
-                                  state.held.history)
+                                  state.held.history, state.held.grammar)
         state.out.drafted += k
         for j in range(accepted):
             state.out.accepted_per_position[j] += 1

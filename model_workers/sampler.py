@@ -17,6 +17,7 @@ import math
 import torch
 
 from cp_router.sampling import SamplingParams
+from model_workers.grammar.request_grammar import RequestGrammar
 from model_workers.logits_processing import TokenHistory, needs_processing, process_logits
 
 SLOT_DRAFT, SLOT_ACCEPT, SLOT_TARGET = 0, 1, 2
@@ -31,14 +32,26 @@ def uniform(seed: int, index: int, slot: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
+def mask_disallowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Logits [V] with the tokens a grammar does not allow (allowed [V] bool) at -inf. When nothing allowed is
+    left (a draft vocabulary without them, or blocked stop ids where only a stop may come), the logits stay as
+    they are: a token the grammar rejects is then verified away (drafts) or ends the constraint."""
+    if allowed is None:
+        return logits
+    masked = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    return masked if bool(torch.isfinite(masked).any()) else logits
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int],
-                 history: TokenHistory | None = None) -> torch.Tensor:
+                 history: TokenHistory | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Raw logits [V] -> the distribution tokens are drawn from [V] float32 (one-hot when greedy): bias and
-    penalties (logits_processing.py), blocked ids, temperature, top-k, min-p, top-p."""
+    penalties (logits_processing.py), blocked ids, the grammar's mask (`allowed` [V] bool), temperature, top-k,
+    min-p, top-p."""
     logits = process_logits(logits.float(), params, history)
     if blocked:
         logits = logits.clone()
         logits[blocked] = float("-inf")
+    logits = mask_disallowed(logits, allowed)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
     logits = logits / params.temperature
@@ -71,28 +84,29 @@ def draw(probs: torch.Tensor, u: float) -> int:
 
 def sample(
     logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None,
-    history: TokenHistory | None = None,
+    history: TokenHistory | None = None, allowed: torch.Tensor | None = None,
 ) -> int:
     """Output token number `index` from raw logits [V]; `argmax` of the raw logits when the caller has it
-    (batched); `history` the request's tokens when its penalties need them."""
+    (batched); `history` the request's tokens when its penalties need them; `allowed` [V] bool the grammar's."""
     blocked = params.blocked_ids(eos_ids, index)
-    if params.greedy and not blocked and not needs_processing(params):
+    if params.greedy and not blocked and not needs_processing(params) and allowed is None:
         return int(logits.argmax()) if argmax is None else argmax
-    probs = target_probs(logits, params, blocked, history)
+    probs = target_probs(logits, params, blocked, history, allowed)
     return int(probs.argmax()) if params.greedy else draw(probs, uniform(params.seed, index, SLOT_TARGET))
 
 
 def draft_token(
     draft_logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None,
-    history: TokenHistory | None = None,
+    history: TokenHistory | None = None, allowed: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor | None]:
     """The draft's proposal for output `index`: (token, q [V]); q is None when greedy (argmax, no q needed).
-    The draft samples with the request's options too (better acceptance; verification alone keeps it exact)."""
+    The draft samples with the request's options and grammar too (better acceptance; verification alone keeps it
+    exact)."""
     if params.greedy:
-        if needs_processing(params):
-            return int(process_logits(draft_logits.float(), params, history).argmax()), None
+        if needs_processing(params) or allowed is not None:
+            return int(mask_disallowed(process_logits(draft_logits.float(), params, history), allowed).argmax()), None
         return (int(draft_logits.argmax()) if argmax is None else argmax), None
-    q = target_probs(draft_logits, params, params.blocked_ids(eos_ids, index), history)
+    q = target_probs(draft_logits, params, params.blocked_ids(eos_ids, index), history, allowed)
     return draw(q, uniform(params.seed, index, SLOT_DRAFT)), q
 
 
@@ -105,34 +119,42 @@ def verify(
     index: int,
     argmax: list[int] | None = None,
     history: TokenHistory | None = None,
+    grammar: RequestGrammar | None = None,
 ) -> tuple[int, list[int]]:
     """target_logits [k+1, V] at the verified positions -> (accepted drafts m, the m + 1 output tokens).
 
     Row j scores output number index + j; drafts[j] was proposed for it with distribution draft_probs[j].
     `argmax` [k+1]: the rows' argmax when the caller computed them batched. Row j's penalties see `history`
-    plus drafts[:j]: the tokens plain decoding would have emitted before that position.
+    plus drafts[:j], and its grammar mask is the matcher's after drafts[:j]: what plain decoding would have seen
+    at that position. The grammar is left where it was (the caller pushes the tokens it emits).
     """
     argmax = argmax or [None] * len(target_logits)
-    tokens = []
-    for j, (draft, q) in enumerate(zip(drafts, draft_probs)):
-        blocked = params.blocked_ids(eos_ids, index + j)
-        row_history = history.with_tokens(drafts[:j]) if history is not None else None
-        if params.greedy:
-            target = sample(target_logits[j], params, eos_ids, index + j, argmax[j], row_history)
-            if target != draft:
-                return j, tokens + [target]
+    tokens: list[int] = []
+    try:
+        for j, (draft, q) in enumerate(zip(drafts, draft_probs)):
+            blocked = params.blocked_ids(eos_ids, index + j)
+            row_history = history.with_tokens(drafts[:j]) if history is not None else None
+            allowed = grammar.allowed() if grammar is not None else None
+            if params.greedy:
+                target = sample(target_logits[j], params, eos_ids, index + j, argmax[j], row_history, allowed)
+                if target != draft:
+                    return j, tokens + [target]
+            else:
+                p = target_probs(target_logits[j], params, blocked, row_history, allowed)  # [V]
+                if not uniform(params.seed, index + j, SLOT_ACCEPT) * float(q[draft]) < float(p[draft]):
+                    residual = (p - q).clamp_min(0.0)  # [V]
+                    residual = residual if float(residual.sum()) > 0 else p
+                    return j, tokens + [draw(residual, uniform(params.seed, index + j, SLOT_TARGET))]
             tokens.append(draft)
-            continue
-        p = target_probs(target_logits[j], params, blocked, row_history)  # [V]
-        if uniform(params.seed, index + j, SLOT_ACCEPT) * float(q[draft]) < float(p[draft]):
-            tokens.append(draft)
-            continue
-        residual = (p - q).clamp_min(0.0)  # [V]
-        residual = residual if float(residual.sum()) > 0 else p
-        return j, tokens + [draw(residual, uniform(params.seed, index + j, SLOT_TARGET))]
-    k = len(drafts)
-    last_history = history.with_tokens(drafts) if history is not None else None
-    return k, tokens + [sample(target_logits[k], params, eos_ids, index + k, argmax[k], last_history)]
+            if grammar is not None:
+                grammar.advance(draft)
+        k = len(drafts)
+        last_history = history.with_tokens(drafts) if history is not None else None
+        allowed = grammar.allowed() if grammar is not None else None
+        return k, tokens + [sample(target_logits[k], params, eos_ids, index + k, argmax[k], last_history, allowed)]
+    finally:
+        if grammar is not None:
+            grammar.rollback(len(tokens))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[tuple[int, float, tuple, int]]:
