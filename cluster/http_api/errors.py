@@ -3,12 +3,14 @@
 Body: `{"error": {"message", "type", "param", "code"}}`. Invalid fields are 400 (never FastAPI's 422) and
 name the field in `param`; unknown routes 404, wrong methods 405, engine backpressure 503 with Retry-After,
 client disconnects 499 (logged only: nobody reads it), and anything unexpected a 500 with the same body.
+On the Anthropic Messages routes (ANTHROPIC_PATHS) the same errors, statuses and headers carry Anthropic's body
+instead, `{"type": "error", "error": {"type", "message"}}` (`APIError.anthropic_body`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +28,11 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before t
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                CLIENT_CLOSED_REQUEST: "client_closed_request", 503: "service_unavailable_error"}
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                         429: "rate_limit_error", 503: "overloaded_error"}
+MESSAGES_PATH, COUNT_TOKENS_PATH = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's (messages_api.py)
+ANTHROPIC_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})  # their errors carry Anthropic's body
 MAX_SHOWN_INPUT_CHARS = 80
 
 
@@ -62,6 +69,21 @@ class APIError(Exception):
         detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorBody(error=detail).model_dump()
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error body: api_error for a 5xx it has no type for, invalid_request_error for a 4xx."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return AnthropicErrorBody(error=AnthropicErrorDetail(type=kind, message=self.message)).model_dump()
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str  # names the field, as the OpenAI body's message does
+
+
+class AnthropicErrorBody(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
@@ -77,9 +99,19 @@ def mark_error(scope: Scope, label: str) -> None:
     scope.setdefault("state", {})["error"] = label
 
 
+def route_path(scope: Scope) -> str:
+    """The path without the app's mount prefix (Ray Serve passes route_prefix as root_path)."""
+    path, root_path = scope.get("path", ""), scope.get("root_path", "")
+    if root_path and path.startswith(root_path + "/"):
+        return path[len(root_path):]
+    return path
+
+
 def error_response(err: APIError, scope: Scope) -> JSONResponse:
+    """The error's JSON answer: Anthropic's body on its routes, OpenAI's everywhere else."""
     mark_error(scope, err.metric_label)
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    body = err.anthropic_body() if route_path(scope) in ANTHROPIC_PATHS else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def to_api_error(exc: Exception) -> APIError:

@@ -1,8 +1,10 @@
 """Drive the engine streams of one HTTP request into a JSON response or an SSE stream.
 
 Streams: the first chunk is awaited before the response starts, so admission errors (engine overloaded)
-still get their HTTP status; later errors become one `data: {"error": ...}` event. Every stream ends with
-`data: [DONE]`. A client that leaves (before or during the stream) aborts all of its engine requests.
+still get their HTTP status. What the stream says is its `EventWriter`'s: OpenAI's chunks (`ChunkWriter`: one
+`data:` event per engine chunk, a later error as one `data: {"error": ...}` event, `data: [DONE]` last), or the
+Responses and Messages APIs' named events (responses_format.py, messages_format.py). A client that leaves
+(before or during the stream) aborts all of its engine requests.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -19,8 +21,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from cluster.http_api.choice_streams import PlannedChoice, merge_choice_streams, unless_disconnected
-from cluster.http_api.errors import mark_error, to_api_error
-from cluster.http_api.openai_format import ChoiceState, ResponseFormatter
+from cluster.http_api.errors import APIError, mark_error, to_api_error
+from cluster.http_api.openai_format import ChoiceDelta, ChoiceState, ResponseFormatter
 from cluster.http_api.openai_responses import SSE_DONE, UsageInfo, sse_data, sse_event
 from cluster.http_api.prompt_encoding import PromptEncoder
 from cp_router.protocol import EngineChunk, EngineClient
@@ -91,42 +93,71 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class EventWriter(Protocol):
+    """The text of one stream: the events of each choice delta, of the end, and of a failure after the start."""
+
+    def chunk(self, index: int, delta: ChoiceDelta, usage: Callable[[], UsageInfo]) -> str:
+        """The events of one delta (`usage()`: the usage so far)."""
+
+    def closing(self, usage: UsageInfo) -> str:
+        """The events after the last delta."""
+
+    def failed(self, err: APIError) -> str:
+        """The events that end a stream that failed."""
+
+
+class ChunkWriter:
+    """OpenAI's completions and chat streams: one `data:` chunk per delta, the usage chunk when asked for, then
+    `data: [DONE]`; an error as one `data: {"error": ...}` event."""
+
+    def __init__(self, formatter: ResponseFormatter, include_usage: bool, continuous_usage: bool = False):
+        self.formatter, self.include_usage, self.continuous_usage = formatter, include_usage, continuous_usage
+
+    def chunk(self, index: int, delta: ChoiceDelta, usage: Callable[[], UsageInfo]) -> str:
+        event = self.formatter.chunk(index, delta)
+        if self.continuous_usage:
+            event.usage = usage()
+        return sse_event(event, self.include_usage or self.continuous_usage)
+
+    def closing(self, usage: UsageInfo) -> str:
+        if not self.include_usage:
+            return SSE_DONE
+        return sse_event(self.formatter.usage_chunk(usage), True) + SSE_DONE
+
+    def failed(self, err: APIError) -> str:
+        return sse_data(err.body()) + SSE_DONE
+
+
 async def _sse_body(events: Events, first: tuple[int, EngineChunk] | None, encoder: PromptEncoder,
-                    generation: Generation, include_usage: bool, scope: Scope,
-                    continuous_usage: bool = False) -> AsyncIterator[str]:
+                    generation: Generation, writer: EventWriter, scope: Scope) -> AsyncIterator[str]:
     states = generation.new_states()
     ended = False  # stays False when the client leaves (the generator is closed or cancelled mid-stream)
     try:
         item = first
         while item is not None:
             index, chunk = item
-            event = generation.formatter.chunk(index, states[index].apply(chunk, encoder))
-            if continuous_usage:
-                event.usage = generation.usage(states)
-            yield sse_event(event, include_usage or continuous_usage)
+            yield writer.chunk(index, states[index].apply(chunk, encoder), lambda: generation.usage(states))
             item = await anext(events, None)
         ended = True
-        if include_usage:
-            yield sse_event(generation.formatter.usage_chunk(generation.usage(states)), include_usage)
+        yield writer.closing(generation.usage(states))
     except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes into the stream
         ended = True
         err = to_api_error(exc)
         if err.status >= 500:
             logger.error("stream %s failed", generation.request_id, exc_info=exc)
         mark_error(scope, err.metric_label)
-        yield sse_data(err.body())
+        yield writer.failed(err)
     finally:
         if not ended:
             mark_error(scope, "client_disconnected")
         await events.aclose()
         _record_outcome(scope, generation, states)
-    yield SSE_DONE
 
 
 async def respond_stream(request: Request, engine: EngineClient, encoder: PromptEncoder, generation: Generation,
-                         include_usage: bool, continuous_usage: bool = False) -> SSEResponse:
-    """SSE chunks; the usage once at the end (`include_usage`) and/or in every chunk (`continuous_usage`)."""
+                         writer: EventWriter) -> SSEResponse:
+    """The stream of `generation`, in `writer`'s events."""
     events = merge_choice_streams(engine, generation.choices)
     first = await unless_disconnected(request, anext(events, None))
-    body = _sse_body(events, first, encoder, generation, include_usage, request.scope, continuous_usage)
+    body = _sse_body(events, first, encoder, generation, writer, request.scope)
     return SSEResponse(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

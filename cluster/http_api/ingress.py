@@ -15,19 +15,21 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from fastapi import FastAPI, Request, params
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cluster.http_api.body import read_json_body
+from cluster.http_api.body import ModelT, read_json_body
 from cluster.http_api.chat_requests import ChatCompletionRequest, tools_json
 from cluster.http_api.choice_streams import plan_choices
 from cluster.http_api.errors import APIError, install_error_handlers
-from cluster.http_api.generation import Generation, respond_stream, respond_whole
+from cluster.http_api.generation import ChunkWriter, Generation, respond_stream, respond_whole
+from cluster.http_api.messages_api import MESSAGES_OPERATIONS, add_messages_routes
 from cluster.http_api.middleware import AccessLogMiddleware, Admission, ConcurrencyLimitMiddleware, api_key_dependencies
-from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter
+from cluster.http_api.openai_format import ChatFormatter, CompletionFormatter, ResponseFormatter
 from cluster.http_api.openai_requests import CompletionRequest, ModelLimits, SamplingRequest
 from cluster.http_api.openai_responses import (
     ChatCompletionChunk,
@@ -37,9 +39,10 @@ from cluster.http_api.openai_responses import (
     ModelList,
 )
 from cluster.http_api.openapi_schema import JSONOperation, install_openapi
-from cluster.http_api.prompt_encoding import PromptEncoder
+from cluster.http_api.prompt_encoding import EncodedPrompt, PromptEncoder
 from cluster.http_api.reasoning import opens_reasoning
-from cluster.http_api.tool_stream import tool_call_setup
+from cluster.http_api.responses_api import RESPONSES_OPERATIONS, add_responses_routes
+from cluster.http_api.tool_stream import ToolCallSetup, tool_call_setup
 from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
 from cluster.ray_metrics import replica_metrics
 from cluster.serve_settings import IngressSettings
@@ -48,11 +51,14 @@ from cp_router.protocol import EngineClient, ModelInfo, one_line
 from model_workers.checkpoint.generation_config import sampling_defaults
 from model_workers.checkpoint.tokenizer import CheckpointText
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 metrics_logger = logging.getLogger("dsa_serve.metrics")
 JSON_OPERATIONS = {"/v1/completions": JSONOperation(CompletionRequest, CompletionResponse, CompletionResponse),
                    "/v1/chat/completions": JSONOperation(ChatCompletionRequest, ChatCompletionResponse,
-                                                         ChatCompletionChunk)}
+                                                         ChatCompletionChunk),
+                   **RESPONSES_OPERATIONS, **MESSAGES_OPERATIONS}
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+SamplingRequestT = TypeVar("SamplingRequestT", bound=SamplingRequest)
+FormatterFactory = Callable[[str, str, "bool | None", "ToolCallSetup | None"], ResponseFormatter]
 
 
 @dataclass(frozen=True)
@@ -92,37 +98,55 @@ class Ingress:
                           sum(len(prompt.token_ids) for prompt in prompts), echo=body.echo,
                           prompt_logprobs=body.prompt_logprobs)
 
-    def plan_chat(self, body: ChatCompletionRequest) -> Generation:
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[ChatCompletionRequest, EncodedPrompt,
+                                                                 ToolCallSetup | None]:
+        """The chat request's prompt and how its answer is searched for tool calls (the request as planned: with
+        tools to parse, special tokens are kept)."""
         tools = tool_call_setup(body, self.settings.tool_call_parser, self.settings.enable_auto_tool_choice)
         if tools is not None:  # the markup may be special tokens (DeepSeek's DSML, GLM's <tool_call>): keep them
             body = body.model_copy(update={"skip_special_tokens": False})
         prompt = self.encoder.encode_chat(body.messages, self.limits, body.chat_template_kwargs, tools_json(body.tools),
                                           tools.forced_prefix if tools else "")
+        return body, prompt, tools
+
+    def plan_chat(self, body: ChatCompletionRequest, make_formatter: FormatterFactory = ChatFormatter,
+                  id_prefix: str = "chatcmpl-") -> Generation:
+        """`make_formatter(request_id, model, reasoning, tools)`: the output side (chat's own, or the Responses and
+        Messages APIs', which plan their requests as chat requests); request ids are `id_prefix` + 32 hex digits."""
+        body, prompt, tools = self.chat_prompt(body)
         max_tokens = self.limits.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens,
                                                     body.min_tokens, "messages")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"{id_prefix}{uuid.uuid4().hex}"
         choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits)
         reasoning = opens_reasoning(prompt.text) if self.settings.reasoning_parser else None
-        formatter = ChatFormatter(request_id, self.check_model(body.model), reasoning, tools)
+        formatter = make_formatter(request_id, self.check_model(body.model), reasoning, tools)
         return Generation(request_id, choices, formatter,
                           len(prompt.token_ids), prompt_logprobs=body.prompt_logprobs)
 
     async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:
         request.state.request_id = generation.request_id
         if body.stream:
-            return await respond_stream(request, self.engine, self.encoder, generation, body.include_usage_in_stream,
-                                        body.usage_in_every_chunk)
+            writer = ChunkWriter(generation.formatter, body.include_usage_in_stream, body.usage_in_every_chunk)
+            return await respond_stream(request, self.engine, self.encoder, generation, writer)
         whole = await respond_whole(request, self.engine, self.encoder, generation)
         return JSONResponse(whole.model_dump(mode="json"))
 
     async def read(self, request: Request, model: type[SamplingRequest]) -> SamplingRequest:
-        body = await read_json_body(request, model, self.settings.max_body_bytes, self.settings.body_timeout_s)
-        unset = {key: value for key, value in self.sampling_defaults.items() if key not in body.model_fields_set}
-        body = body.model_copy(update=unset) if unset else body
+        body = self.with_sampling_defaults(await self.read_body(request, model))
         if body.user is not None:
             request.state.user = repr(body.user)
-        self.check_model(body.model)
         return body
+
+    async def read_body(self, request: Request, model: type[ModelT]) -> ModelT:
+        """The JSON body as `model` (body.py's checks), addressed to a served model (404 otherwise)."""
+        body = await read_json_body(request, model, self.settings.max_body_bytes, self.settings.body_timeout_s)
+        self.check_model(getattr(body, "model", None))
+        return body
+
+    def with_sampling_defaults(self, body: SamplingRequestT) -> SamplingRequestT:
+        """generation_config.json's sampling values for the fields the request left out."""
+        unset = {key: value for key, value in self.sampling_defaults.items() if key not in body.model_fields_set}
+        return body.model_copy(update=unset) if unset else body
 
     def model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=name, created=self.started, max_model_len=self.info.max_model_len)
@@ -213,6 +237,8 @@ def build_app(engine_client: EngineClient, settings: IngressSettings | None = No
     authorized = api_key_dependencies(settings.resolved_api_key())
     _add_routes(app, ingress, authorized)
     add_utility_routes(app, ingress, authorized)
+    add_responses_routes(app, ingress, authorized)
+    add_messages_routes(app, ingress, authorized)
     install_openapi(app, JSON_OPERATIONS)
     app.state.ingress = ingress
     return app

@@ -30,11 +30,14 @@ ERROR_STATUSES = {400: "invalid request (the message names the field)", 401: "mi
 @dataclass(frozen=True)
 class JSONOperation:
     """A POST route that reads `request` as its JSON body and answers `response`, or with `"stream": true`
-    server-sent events whose data is a `chunk`, an error body, or [DONE]."""
+    server-sent events whose data is a `chunk`, an error body, or [DONE]; its errors carry `error`.
+    `named_events`: each event has an `event:` line (its data's `type`), and the stream has no [DONE]."""
 
     request: type[BaseModel]
     response: type[BaseModel]
     chunk: type[BaseModel] | None = None
+    error: type[BaseModel] = ErrorBody
+    named_events: bool = False
 
 
 def _takes_null(schema: dict[str, Any]) -> bool:
@@ -60,34 +63,40 @@ def optional_fields_take_null(schema: dict[str, Any]) -> None:
 
 def _schemas(operations: Mapping[str, JSONOperation]) -> tuple[dict, dict[str, Any]]:
     """(ref of each (model, mode), the components/schemas they need) for every model the operations name."""
-    wanted: list[tuple[type[BaseModel], JsonSchemaMode]] = [(ErrorBody, "serialization")]
+    wanted: list[tuple[type[BaseModel], JsonSchemaMode]] = []
     for operation in operations.values():
         wanted += [(operation.request, "validation"), (operation.response, "serialization")]
+        wanted += [(operation.error, "serialization")]
         wanted += [(operation.chunk, "serialization")] if operation.chunk is not None else []
     refs, top = models_json_schema(list(dict.fromkeys(wanted)), ref_template=REF_TEMPLATE)
     return refs, top.get("$defs", {})
 
 
-def _error_response(status: int, error_ref: dict) -> dict[str, Any]:
-    return {"description": f"{APIError(status, '').type}: {ERROR_STATUSES[status]}",
-            "content": {"application/json": {"schema": error_ref}}}
+def _error_response(status: int, error_ref: dict, error_model: type[BaseModel]) -> dict[str, Any]:
+    err = APIError(status, "")
+    kind = err.type if error_model is ErrorBody else err.anthropic_body()["error"]["type"]
+    return {"description": f"{kind}: {ERROR_STATUSES[status]}", "content": {"application/json": {"schema": error_ref}}}
 
 
-def _event_schema(chunk_ref: dict, error_ref: dict) -> dict[str, Any]:
+def _event_schema(chunk_ref: dict, error_ref: dict, named: bool) -> dict[str, Any]:
     """One server-sent event (the schema of a text/event-stream body describes each event before OpenAPI 3.2)."""
     json_data = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk_ref, error_ref]}}
+    if named:
+        return {"type": "object", "required": ["event", "data"],
+                "properties": {"event": {"type": "string"}, "data": {"type": "string", **json_data}}}
     return {"type": "object", "required": ["data"],
             "properties": {"data": {"type": "string", "anyOf": [{"const": SSE_DONE_DATA}, json_data]}}}
 
 
 def _operation_doc(operation: JSONOperation, refs: dict) -> dict[str, Any]:
     """The requestBody and responses of one operation."""
-    error_ref = refs[(ErrorBody, "serialization")]
+    error_ref = refs[(operation.error, "serialization")]
     success = {"application/json": {"schema": refs[(operation.response, "serialization")]}}
     if operation.chunk is not None:
-        success["text/event-stream"] = {"schema": _event_schema(refs[(operation.chunk, "serialization")], error_ref)}
+        chunk_ref = refs[(operation.chunk, "serialization")]
+        success["text/event-stream"] = {"schema": _event_schema(chunk_ref, error_ref, operation.named_events)}
     responses = {"200": {"description": "the answer (an event stream when `stream` is true)", "content": success}}
-    responses.update({str(status): _error_response(status, error_ref) for status in ERROR_STATUSES})
+    responses.update({str(status): _error_response(status, error_ref, operation.error) for status in ERROR_STATUSES})
     request_schema = refs[(operation.request, "validation")]
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
             "responses": responses}

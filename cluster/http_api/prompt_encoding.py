@@ -74,6 +74,10 @@ class PromptEncoder:
             rendered += (THINK_END if opens_reasoning(rendered) else "") + forced_prefix
         return self.encode(rendered, limits, param="messages")
 
+    def token_count(self, text: str) -> int:
+        """How many tokens `text` encodes to (0 without a tokenizer)."""
+        return 0 if self.tokenizer is None else len(encode(self.tokenizer, text))
+
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else decode(self.tokenizer, list(token_ids))
 
