@@ -23,10 +23,11 @@ from cluster.http_api.chat_translation import Renames, chat_request, plan, renam
 from cluster.http_api.errors import COUNT_TOKENS_PATH, MESSAGES_PATH, AnthropicErrorBody, APIError
 from cluster.http_api.generation import Generation
 from cluster.http_api.messages_format import MessageObject, MessagesFormatter, MessagesStreamEvent
-from cluster.http_api.messages_requests import MessagesPrompt, MessagesRequest
+from cluster.http_api.messages_requests import CountTokensRequest, MessagesRequest
 from cluster.http_api.openapi_schema import JSONOperation
 
-RENAMES: Renames = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
+RENAMES: Renames = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
+                    "response_format": "output_config.format"}
 
 
 class TokenCount(BaseModel):
@@ -36,7 +37,7 @@ class TokenCount(BaseModel):
 MESSAGES_OPERATIONS = {
     MESSAGES_PATH: JSONOperation(MessagesRequest, MessageObject, MessagesStreamEvent, error=AnthropicErrorBody,
                                  named_events=True),
-    COUNT_TOKENS_PATH: JSONOperation(MessagesPrompt, TokenCount, error=AnthropicErrorBody)}
+    COUNT_TOKENS_PATH: JSONOperation(CountTokensRequest, TokenCount, error=AnthropicErrorBody)}
 
 
 def plan_message(ingress, body: MessagesRequest) -> Generation:
@@ -46,7 +47,8 @@ def plan_message(ingress, body: MessagesRequest) -> Generation:
     return plan(ingress, chat, formatter, "msg_", RENAMES)
 
 
-def count_tokens(ingress, body: MessagesPrompt) -> TokenCount:
+def count_tokens(ingress, body: CountTokensRequest) -> TokenCount:
+    """The prompt's tokens, as /v1/messages would plan it (its tools and a forced call's opening included)."""
     try:
         _, prompt, _ = ingress.chat_prompt(chat_request(body.chat_fields(), RENAMES))
     except APIError as err:
@@ -62,5 +64,5 @@ def add_messages_routes(app: FastAPI, ingress, authorized: list[params.Depends])
 
     @app.post(COUNT_TOKENS_PATH, dependencies=authorized)
     async def messages_count_tokens(request: Request) -> JSONResponse:
-        body = await ingress.read_body(request, MessagesPrompt)
+        body = await ingress.read_body(request, CountTokensRequest)
         return JSONResponse(count_tokens(ingress, body).model_dump())

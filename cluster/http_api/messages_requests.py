@@ -5,9 +5,10 @@ translation into a chat completion request.
 `tool_use` (an assistant's call: a chat tool call), `tool_result` (its answer, a string or text blocks: a tool
 message), `thinking` (an assistant's earlier reasoning: its reasoning_content; signatures are not checked).
 Images, documents and other blocks are refused, naming the block. Tools are {name, description, input_schema};
-tool_choice auto / any (chat's "required") / tool (a named function) / none. `thinking` enabled or disabled sets the
-template's thinking switch (left out: disabled, as Anthropic's default); its budget_tokens is not enforced (the
-thinking and the answer share max_tokens). `metadata` and unknown fields are ignored.
+tool_choice auto / any (chat's "required") / tool (a named function) / none. `thinking` enabled or adaptive (on) or
+disabled sets the template's thinking switch (left out: disabled, as Anthropic's default); its budget_tokens is not
+enforced (the thinking and the answer share max_tokens). `output_config.format` (a JSON schema) is chat's
+response_format json_schema. `metadata` and unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -119,12 +120,23 @@ class ToolChoice(RequestModel):
 
 
 class Thinking(RequestModel):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "disabled"]  # adaptive: on (the model decides how long it thinks)
     budget_tokens: int | None = Field(None, ge=1)  # accepted, not enforced
 
 
+class OutputFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(RequestModel):
+    """`format`: the answer is JSON following its schema (chat's response_format json_schema); `effort` ignored."""
+
+    format: OutputFormat | None = None
+
+
 class MessagesPrompt(RequestModel):
-    """What makes the prompt: the body of /v1/messages/count_tokens, and the core of /v1/messages'."""
+    """What makes the prompt (the count of /v1/messages/count_tokens)."""
 
     model: str | None = None
     system: Text | None = None
@@ -132,6 +144,7 @@ class MessagesPrompt(RequestModel):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
     @field_validator("messages")
     @classmethod
@@ -143,7 +156,7 @@ class MessagesPrompt(RequestModel):
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat completion request fields of the prompt (only those it sets)."""
-        thinking = self.thinking is not None and self.thinking.type == "enabled"
+        thinking = self.thinking is not None and self.thinking.type != "disabled"
         fields: dict[str, Any] = {"messages": chat_messages(self), "chat_template_kwargs": thinking_kwargs(thinking)}
         if self.model is not None:
             fields["model"] = self.model
@@ -151,6 +164,9 @@ class MessagesPrompt(RequestModel):
             fields["tools"] = [{"type": "function", "function": {
                 "name": tool.name, "parameters": tool.input_schema,
                 **({"description": tool.description} if tool.description is not None else {})}} for tool in self.tools]
+        if self.output_config is not None and self.output_config.format is not None:
+            schema = {"name": "output", "schema": self.output_config.format.json_schema}
+            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
         if self.tool_choice is not None:
             fields["tool_choice"] = self.tool_choice.chat_choice()
             if self.tool_choice.disable_parallel_tool_use:
@@ -182,6 +198,13 @@ class MessagesRequest(MessagesPrompt):
         if self.stop_sequences:
             fields.update(stop=self.stop_sequences, include_stop_str_in_output=True)
         return fields
+
+
+class CountTokensRequest(MessagesRequest):
+    """/v1/messages/count_tokens' body: a /v1/messages body whose max_tokens may be left out (its sampling
+    fields are checked and do not change the count)."""
+
+    max_tokens: int | None = Field(None, ge=1)
 
 
 def chat_messages(body: MessagesPrompt) -> list[dict[str, Any]]:
