@@ -145,21 +145,20 @@ def sharing_memo(runner: ModelRunner, states: list[DecodeState]) -> TopkMemo | N
 def draft_chain(
     runner: ModelRunner, states: list[DecodeState], k: int, shared: TopkMemo | None,
     counts: list[int] | None = None,
-) -> tuple[list[list[int]], list[list]]:
-    """k draft tokens per request (MTP layer on its own output hidden); returns drafts and their q's."""
+) -> list[list[int]]:
+    """k draft tokens per request (MTP layer on its own output hidden), drawn with the noise verification uses."""
     model, eos_ids = runner.model, runner.model.config.eos_token_ids
     starts = [s.table.num_tokens for s in states]  # n per request
     hidden = torch.stack([s.held.draft_hidden for s in states]) if states else runner.empty_hidden()  # [B, D]
-    drafts, probs = [[] for _ in states], [[] for _ in states]
+    drafts: list[list[int]] = [[] for _ in states]
     for j in range(k):
         draft_logits = model.draft_logits(hidden)  # [B, V] (a draft vocabulary's tokens only, if set)
         argmax = draft_logits.argmax(-1).tolist()  # [B]
         for b, state in enumerate(states):
             history = state.held.history.with_tokens(drafts[b]) if state.held.history is not None else None
-            token, q = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j, argmax[b], history,
-                                   allowed_next(state))
+            token = draft_token(draft_logits[b], state.held.sampling, eos_ids, state.index + j, argmax[b], history,
+                                allowed_next(state))
             drafts[b].append(token)
-            probs[b].append(q)
             if state.held.grammar is not None:  # the next draft's mask follows this one (taken back below)
                 state.held.grammar.advance(token)
         if j < k - 1:  # MTP position n + j takes (d_j, its own previous output)
@@ -172,7 +171,7 @@ def draft_chain(
     for state in states:
         if state.held.grammar is not None:
             state.held.grammar.rollback(k)
-    return drafts, probs
+    return drafts
 
 
 def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clock: DecodeClock,
@@ -185,7 +184,7 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
         cache.check_room(state.table, n + k + 1)
     shared = sharing_memo(runner, states)
     with clock.timed("draft"):
-        drafts, probs = draft_chain(runner, states, k, shared, counts)
+        drafts = draft_chain(runner, states, k, shared, counts)
     verify_items = [ExtendItem(s.table, [s.last_token] + d) for s, d in zip(states, drafts)]
     with clock.timed("verify"):
         verify_rows = group_rows(runner, counts, k + 1, True)
@@ -197,8 +196,8 @@ def speculative_step(runner: ModelRunner, states: list[DecodeState], k: int, clo
     extend_items, extend_rows, extend_starts, extended = [], [], [], []
     for b, (state, n) in enumerate(zip(states, starts)):
         params = state.held.sampling
-        accepted, tokens = verify(logits[b], drafts[b], probs[b], params, eos_ids, state.index, argmax[b],
-                                  state.held.history, state.held.grammar)
+        accepted, tokens = verify(logits[b], drafts[b], params, eos_ids, state.index, argmax[b], state.held.history,
+                                  state.held.grammar)
         state.out.drafted += k
         for j in range(accepted):
             state.out.accepted_per_position[j] += 1

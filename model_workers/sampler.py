@@ -1,13 +1,17 @@
 """Per-request sampling and speculative verification from float32 logits.
 
-Randomness is counter-based: the uniform used for a request's output token number `index` is a pure
-function of (seed, index, slot), so the same seed gives the same tokens whatever else shares the batch,
-on whichever rank samples, and after a preemption recomputes the request. Slots separate the uses of one
-position: the draft's own draw, the accept test and the target draw (residual or bonus).
+Randomness is counter-based: the noise a request's output token number `index` is drawn with is a pure function of
+(seed, index), so the same seed gives the same tokens whatever else shares the batch, on whichever rank samples,
+and after a preemption recomputes the request.
 
-Speculative sampling (Leviathan et al.): draft token d ~ q is accepted with probability min(1, p(d)/q(d));
-on rejection the token comes from normalize(max(0, p - q)); after k accepted drafts a bonus token from p.
-Greedy verification is the same rule with one-hot p and q: the longest matching prefix plus one token.
+A draw is Gumbel-max (an exponential race): token i wins when p_i / E_i is largest, E_i ~ Exp(1) from the noise of
+(seed, index); that picks i with probability p_i. Speculation shares that noise: the draft for position `index`
+races its own distribution q against the same E, and verification draws the target's token at each position
+exactly as plain decoding does, accepting drafts while they equal it. So speculation never changes a token, greedy
+or seeded, for any k: the output is plain decoding's (given the same target logits); only how many positions one
+forward settles changes. A draft equals the target's token whenever q and p put their winner on the same token
+under the shared noise (the Gumbel coupling), about as often as Leviathan et al.'s min(1, p/q) test accepts.
+Greedy is the same rule with one-hot distributions: the longest matching prefix plus one token.
 """
 
 from __future__ import annotations
@@ -20,13 +24,12 @@ from cp_router.sampling import SamplingParams
 from model_workers.grammar.request_grammar import RequestGrammar
 from model_workers.logits_processing import TokenHistory, needs_processing, process_logits
 
-SLOT_DRAFT, SLOT_ACCEPT, SLOT_TARGET = 0, 1, 2
 _MASK64 = (1 << 64) - 1
 
 
-def uniform(seed: int, index: int, slot: int) -> float:
-    """A uniform in [0, 1) from (seed, index, slot) by splitmix64 (stateless, identical on every process)."""
-    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + slot * 0x94D049BB133111EB + 1) & _MASK64
+def uniform(seed: int, index: int) -> float:
+    """A uniform in [0, 1) from (seed, index) by splitmix64 (stateless, identical on every process)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 2 * 0x94D049BB133111EB + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
@@ -72,14 +75,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int
 
 
 def draw(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from probs [V] (need not sum to 1) with the uniform u in [0, 1)."""
-    probs = probs.cpu()
-    cdf = probs.double().cumsum(-1)  # [V]
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
-    index = min(index, probs.shape[-1] - 1)
-    while probs[index] <= 0 and index > 0:  # a plateau of the cdf: step back onto a token with mass
-        index -= 1
-    return index
+    """Gumbel-max draw from probs [V] (need not sum to 1) with the noise seeded by u in [0, 1): the argmax of
+    probs_i / E_i, E_i ~ Exp(1) (torch's CPU generator, the same on every process)."""
+    generator = torch.Generator().manual_seed(int(u * (1 << 53)))
+    race = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(generator=generator)  # [V]
+    return int((probs.cpu().float() / race).argmax())
 
 
 def sample(
@@ -92,28 +92,21 @@ def sample(
     if params.greedy and not blocked and not needs_processing(params) and allowed is None:
         return int(logits.argmax()) if argmax is None else argmax
     probs = target_probs(logits, params, blocked, history, allowed)
-    return int(probs.argmax()) if params.greedy else draw(probs, uniform(params.seed, index, SLOT_TARGET))
+    return int(probs.argmax()) if params.greedy else draw(probs, uniform(params.seed, index))
 
 
 def draft_token(
     draft_logits: torch.Tensor, params: SamplingParams, eos_ids: tuple[int, ...], index: int, argmax: int | None = None,
     history: TokenHistory | None = None, allowed: torch.Tensor | None = None,
-) -> tuple[int, torch.Tensor | None]:
-    """The draft's proposal for output `index`: (token, q [V]); q is None when greedy (argmax, no q needed).
-    The draft samples with the request's options and grammar too (better acceptance; verification alone keeps it
-    exact)."""
-    if params.greedy:
-        if needs_processing(params) or allowed is not None:
-            return int(mask_disallowed(process_logits(draft_logits.float(), params, history), allowed).argmax()), None
-        return (int(draft_logits.argmax()) if argmax is None else argmax), None
-    q = target_probs(draft_logits, params, params.blocked_ids(eos_ids, index), history, allowed)
-    return draw(q, uniform(params.seed, index, SLOT_DRAFT)), q
+) -> int:
+    """The draft's proposal for output `index`: drawn from the draft's distribution with the request's options and
+    grammar, racing the same noise the target's token at `index` will be drawn with (module docstring)."""
+    return sample(draft_logits, params, eos_ids, index, argmax, history, allowed)
 
 
 def verify(
     target_logits: torch.Tensor,
     drafts: list[int],
-    draft_probs: list[torch.Tensor | None],
     params: SamplingParams,
     eos_ids: tuple[int, ...],
     index: int,
@@ -123,35 +116,23 @@ def verify(
 ) -> tuple[int, list[int]]:
     """target_logits [k+1, V] at the verified positions -> (accepted drafts m, the m + 1 output tokens).
 
-    Row j scores output number index + j; drafts[j] was proposed for it with distribution draft_probs[j].
-    `argmax` [k+1]: the rows' argmax when the caller computed them batched. Row j's penalties see `history`
-    plus drafts[:j], and its grammar mask is the matcher's after drafts[:j]: what plain decoding would have seen
-    at that position. The grammar is left where it was (the caller pushes the tokens it emits).
+    Row j's token is plain decoding's output number index + j: sampled with that position's noise, penalties that
+    see `history` plus drafts[:j], and the grammar's mask after drafts[:j]. Drafts are accepted while they equal
+    it. `argmax` [k+1]: the rows' argmax when the caller computed them batched. The grammar is left where it was
+    (the caller pushes the tokens it emits).
     """
     argmax = argmax or [None] * len(target_logits)
     tokens: list[int] = []
     try:
-        for j, (draft, q) in enumerate(zip(drafts, draft_probs)):
-            blocked = params.blocked_ids(eos_ids, index + j)
+        for j in range(len(drafts) + 1):
             row_history = history.with_tokens(drafts[:j]) if history is not None else None
             allowed = grammar.allowed() if grammar is not None else None
-            if params.greedy:
-                target = sample(target_logits[j], params, eos_ids, index + j, argmax[j], row_history, allowed)
-                if target != draft:
-                    return j, tokens + [target]
-            else:
-                p = target_probs(target_logits[j], params, blocked, row_history, allowed)  # [V]
-                if not uniform(params.seed, index + j, SLOT_ACCEPT) * float(q[draft]) < float(p[draft]):
-                    residual = (p - q).clamp_min(0.0)  # [V]
-                    residual = residual if float(residual.sum()) > 0 else p
-                    return j, tokens + [draw(residual, uniform(params.seed, index + j, SLOT_TARGET))]
-            tokens.append(draft)
+            target = sample(target_logits[j], params, eos_ids, index + j, argmax[j], row_history, allowed)
+            if j == len(drafts) or target != drafts[j]:
+                return j, tokens + [target]
+            tokens.append(target)
             if grammar is not None:
-                grammar.advance(draft)
-        k = len(drafts)
-        last_history = history.with_tokens(drafts) if history is not None else None
-        allowed = grammar.allowed() if grammar is not None else None
-        return k, tokens + [sample(target_logits[k], params, eos_ids, index + k, argmax[k], last_history, allowed)]
+                grammar.advance(target)
     finally:
         if grammar is not None:
             grammar.rollback(len(tokens))

@@ -38,9 +38,9 @@ def models(random_mtp, default_model):
     return {"random_mtp": random_mtp, "default": default_model}
 
 
-@pytest.mark.parametrize("model", ["random_mtp", "default"])
-def test_greedy_speculation_equals_plain_decoding(models, model):
-    requests = make_requests([3, 17, 45], 14, 120, prompt_seed=1, temperature=0.0, ignore_eos=True)
+@pytest.mark.parametrize("model,temperature", [("random_mtp", 0.0), ("default", 0.0), ("default", 0.9)])
+def test_speculation_equals_plain_decoding_greedy_and_seeded(models, model, temperature):
+    requests = make_requests([3, 17, 45], 14, 120, prompt_seed=1, temperature=temperature, ignore_eos=True, seed=5)
     plain = run_all(local_engine(models[model], options(0)), requests)
     for k in (1, 2, 3):
         engine = local_engine(models[model], options(k))

@@ -81,7 +81,8 @@ def test_every_kind_ends_in_text_that_satisfies_it(model, prompt):
 
 
 def test_speculation_drafts_and_verifies_under_the_grammar_without_changing_a_token(model, prompt):
-    reqs = requests(prompt, list(SPECS), temperatures=(0.0,), max_tokens=48)
+    """Greedy and seeded: the same tokens for every k (model_workers/sampler.py)."""
+    reqs = requests(prompt, list(SPECS), temperatures=(0.0, 0.9), max_tokens=48)
     plain = run_all(engine(model, 0), reqs)
     for k in (1, 3):
         spec_engine = engine(model, k)
@@ -101,8 +102,8 @@ def test_the_constraint_starts_after_after_ids(model, prompt):
 
 
 def test_a_preempted_constrained_request_recomputes_the_same_tokens(model, prompt):
-    reqs = requests(prompt, ["json_schema", "regex"], temperatures=(0.0, 0.9))
+    reqs = requests(prompt, ["json_schema", "regex", "ebnf"], temperatures=(0.0, 0.9, 1.0))
     ample = run_all(engine(model, 2), reqs)
-    small = engine(model, 2, num_pages=24)  # 192 token slots for 4 requests of 13 + up to 160 tokens
+    small = engine(model, 2, num_pages=24)  # 192 token slots for 9 requests of 13 + up to 160 tokens
     assert run_all(small, reqs) == ample
     assert small.stats.preemptions > 0 and small.free_pages == [24]
