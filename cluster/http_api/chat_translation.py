@@ -64,7 +64,7 @@ async def respond(ingress, request: Request, generation: Generation, stream: boo
     if stream:
         return await respond_stream(request, ingress.engine, ingress.encoder, generation, generation.formatter)
     whole = await respond_whole(request, ingress.engine, ingress.encoder, generation)
-    return JSONResponse(whole.model_dump(mode="json", exclude_none=False))
+    return JSONResponse(whole.model_dump(mode="json"))
 
 
 def named_event(payload: dict[str, Any]) -> str:

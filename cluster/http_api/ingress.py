@@ -1,12 +1,14 @@
 """The HTTP ingress: an OpenAI-style FastAPI app over an `EngineClient` (see cp_router/protocol.py).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (404 unless the checkpoint has a chat template),
-GET /v1/models, GET /health, GET /metrics, GET /openapi.json (openapi_schema.py), and utility_routes.py's
-(/v1/models/{id}, /tokenize, /detokenize, /version). The model answers to its served names
-(`IngressSettings.served_model_name`, default its folder's). The /v1 routes need `Authorization: Bearer <key>` when
-an API key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY); /health and /metrics are open, for
-probes and scrapers. Everything is validated and tokenized here, before the engine is reached. Once
-`app.state.admission` drains (middleware.Admission), generation routes and /health answer 503 + Retry-After.
+GET /v1/models, GET /health, GET /metrics, GET /openapi.json (openapi_schema.py), utility_routes.py's
+(/v1/models/{id}, /tokenize, /detokenize, /version), and the chat planning's other APIs: POST /v1/responses
+(responses_api.py), POST /v1/messages and /v1/messages/count_tokens (messages_api.py). The model answers to its
+served names (`IngressSettings.served_model_name`, default its folder's). The /v1 routes need `Authorization: Bearer
+<key>` (or `x-api-key: <key>`) when an API key is configured (IngressSettings.api_key or env DSA_SERVE_API_KEY);
+/health and /metrics are open, for probes and scrapers. Everything is validated and tokenized here, before the
+engine is reached. Once `app.state.admission` drains (middleware.Admission), generation routes and /health answer
+503 + Retry-After.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cluster.http_api.body import ModelT, read_json_body
 from cluster.http_api.chat_requests import ChatCompletionRequest, tools_json
 from cluster.http_api.choice_streams import plan_choices
-from cluster.http_api.errors import APIError, install_error_handlers
+from cluster.http_api.errors import MESSAGES_PATH, APIError, install_error_handlers
 from cluster.http_api.generation import ChunkWriter, Generation, respond_stream, respond_whole
 from cluster.http_api.messages_api import MESSAGES_OPERATIONS, add_messages_routes
 from cluster.http_api.middleware import AccessLogMiddleware, Admission, ConcurrencyLimitMiddleware, api_key_dependencies
@@ -41,7 +43,7 @@ from cluster.http_api.openai_responses import (
 from cluster.http_api.openapi_schema import JSONOperation, install_openapi
 from cluster.http_api.prompt_encoding import EncodedPrompt, PromptEncoder
 from cluster.http_api.reasoning import opens_reasoning
-from cluster.http_api.responses_api import RESPONSES_OPERATIONS, add_responses_routes
+from cluster.http_api.responses_api import RESPONSES_OPERATIONS, RESPONSES_PATH, add_responses_routes
 from cluster.http_api.tool_stream import ToolCallSetup, tool_call_setup
 from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
 from cluster.ray_metrics import replica_metrics
@@ -56,9 +58,10 @@ JSON_OPERATIONS = {"/v1/completions": JSONOperation(CompletionRequest, Completio
                    "/v1/chat/completions": JSONOperation(ChatCompletionRequest, ChatCompletionResponse,
                                                          ChatCompletionChunk),
                    **RESPONSES_OPERATIONS, **MESSAGES_OPERATIONS}
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", RESPONSES_PATH, MESSAGES_PATH})
 SamplingRequestT = TypeVar("SamplingRequestT", bound=SamplingRequest)
-FormatterFactory = Callable[[str, str, "bool | None", "ToolCallSetup | None"], ResponseFormatter]
+# (request id, model, reasoning, tools) -> the output side: ChatFormatter, or the Responses / Messages formatters
+FormatterFactory = Callable[[str, str, bool | None, ToolCallSetup | None], ResponseFormatter]
 
 
 @dataclass(frozen=True)

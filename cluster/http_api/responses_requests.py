@@ -51,7 +51,8 @@ def _string_as_parts(value: Any) -> Any:
 
 
 # a string, or a list of text parts (a string is read as one part: errors then name the part, not a union branch)
-Content = Annotated[list[ContentPart], BeforeValidator(_string_as_parts, json_schema_input_type=str | list[ContentPart])]
+Content = Annotated[list[ContentPart], BeforeValidator(_string_as_parts,
+                                                      json_schema_input_type=str | list[ContentPart])]
 
 
 def text_of(content: list[ContentPart] | None) -> str:
@@ -193,7 +194,8 @@ class ResponsesRequest(RequestModel):
         """The chat completion request this one plans as (only the fields it sets, so defaults stay defaults)."""
         fields: dict[str, Any] = {"messages": chat_messages(self), "stream": bool(self.stream)}
         optional = {"model": self.model, "max_completion_tokens": self.max_output_tokens, "user": self.user,
-                    "temperature": self.temperature, "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}
+                    "temperature": self.temperature, "top_p": self.top_p,
+                    "parallel_tool_calls": self.parallel_tool_calls}
         fields.update({key: value for key, value in optional.items() if value is not None})
         if self.tools:
             fields["tools"] = [tool.as_chat_tool() for tool in self.tools]
@@ -210,7 +212,8 @@ class ResponsesRequest(RequestModel):
 
 def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """`instructions` and `input` as chat messages: a function call joins the assistant message before it (or
-    makes one), its output is a tool message, a reasoning item's text is the next assistant turn's reasoning."""
+    makes one), its output is a tool message, a reasoning item's text is the reasoning of the assistant turn right
+    after it (dropped when another message comes first)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     reasoning: str | None = None
     for item in body.input:
@@ -218,8 +221,10 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             reasoning = (reasoning or "") + item.reasoning_text()
         elif item.type == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": text_of(item.output)})
+            reasoning = None
         elif item.type == "message" and item.role != "assistant":
             messages.append({"role": item.role, "content": text_of(item.content)})
+            reasoning = None
         else:
             _assistant_turn(messages, item, reasoning)
             reasoning = None

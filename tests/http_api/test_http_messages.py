@@ -21,7 +21,7 @@ from cluster.http_api.tool_parsers import DSML
 from cluster.serve_settings import IngressSettings
 from cp_router.protocol import EngineChunk, EngineUnavailableError
 from model_workers.checkpoint.model_dir import PACKAGED_MODEL_DIR
-from support.http_fakes import INFO, FakeEngine, ScriptedEngine, write_deepseek_checkpoint
+from support.http_fakes import INFO, FakeEngine, ScriptedEngine, write_checkpoint_files, write_deepseek_checkpoint
 
 WEATHER = {"name": "get_weather", "description": "the weather", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
@@ -260,6 +260,12 @@ def test_other_errors_carry_anthropics_types_and_statuses(served, tmp_path):
     drained = client.post("/v1/messages", json={"messages": HELLO, "max_tokens": 5})
     assert (drained.status_code, drained.json()["error"]["type"]) == (503, "overloaded_error")
     assert client.post("/v1/messages/count_tokens", json={"messages": HELLO}).status_code == 200  # not generation
+    (tmp_path / "plain").mkdir()
+    plain = build_app(ScriptedEngine(["ok"], info=dataclasses.replace(INFO, has_chat_template=False)),
+                      IngressSettings(model_dir=str(write_checkpoint_files(tmp_path / "plain", chat_template=False))))
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        no_template = TestClient(plain).post(path, json={"messages": HELLO, "max_tokens": 5})
+        assert (no_template.status_code, no_template.json()["error"]["type"]) == (404, "not_found_error")
 
 
 def test_a_stream_that_fails_ends_with_an_error_event(tmp_path):

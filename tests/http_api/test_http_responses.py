@@ -144,6 +144,24 @@ def test_a_tool_round_trip_through_input_items_makes_chats_prompt(served):
     assert responses_prompt == chat_prompt and len(chat_prompt) > len(engine.requests[0].prompt_token_ids)
 
 
+def test_input_items_become_chat_messages_in_order():
+    items = [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "content": [
+        {"type": "reasoning_text", "text": "think"}]}, {"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "let me look"}]}, {"type": "function_call", "call_id": "c1", "name": "f",
+                                                          "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": ""},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "dropped"}]},
+        {"role": "user", "content": "and?"}]
+    messages = ResponsesRequest.model_validate({"input": items, "instructions": "sys"}).chat_fields()["messages"]
+    assert messages == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "let me look", "reasoning_content": "think", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"}, {"role": "user", "content": "and?"}]
+
+
 def test_text_format_becomes_chats_response_format():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     body = {"input": "x", "text": {"format": {"type": "json_schema", "name": "point", "schema": schema,
