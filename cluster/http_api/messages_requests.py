@@ -33,7 +33,7 @@ def _unsupported(kind: str, allowed: Any) -> ValueError:
 class TextBlock(RequestModel):
     """A text block (of `system`, or of a tool result)."""
 
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # any other: a 400 naming it (`_text_only`)
     text: str | None = None
 
     @model_validator(mode="after")
@@ -61,7 +61,7 @@ def text_parts(blocks: list[TextBlock] | None) -> list[dict[str, str]]:
 class ContentBlock(RequestModel):
     """One block of a message: text, tool_use, tool_result or thinking."""
 
-    type: str
+    type: str = Field(json_schema_extra={"enum": list(BLOCK_FIELDS)})  # any other: a 400 naming it
     text: str | None = None
     id: str | None = Field(None, min_length=1)  # tool_use
     name: str | None = Field(None, pattern=FUNCTION_NAME)

@@ -28,7 +28,7 @@ class ContentPart(RequestModel):
     """A text part of a message or of a reasoning item (images, files and audio are refused: this server reads
     text)."""
 
-    type: str
+    type: str = Field(json_schema_extra={"enum": list(TEXT_PART_TYPES)})  # any other: a 400 naming it
     text: str | None = None
 
     @model_validator(mode="after")
