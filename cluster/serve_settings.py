@@ -59,6 +59,7 @@ class IngressSettings(BaseModel):
     tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # chat: the family's tool-call markup as tool_calls
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag; needs tool_call_parser)
     request_id_header: bool = True  # set X-Request-Id on responses; off under Ray Serve, whose proxy sets it
+    grammar_compile_timeout_s: float = Field(30.0, gt=0)  # a constraint not compiled within this: 400
 
     @model_validator(mode="after")
     def _auto_tool_choice_needs_a_parser(self) -> IngressSettings:

@@ -1,5 +1,6 @@
 """What the engine reports after every step, in one place: its `EngineStats`, its metrics (speculation, request
-times, preemptions, CP prefill, running / waiting requests and KV pages per cp_rank) and its status log line."""
+times, preemptions, CP prefill, grammar masks, running / waiting requests and KV pages per cp_rank) and its status
+log line."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class EngineMonitor:
         self.prefix_recorded = PrefixStats(counts.queries, counts.hits)
         if step.prefill is not None and step.prefill.cp:
             self.metrics.observe_cp_prefill(sum(r.comm_bytes for r in results), wall_s)
+        if any(r.grammar_masks for r in results):
+            self.metrics.observe_grammar_mask(max(r.grammar_mask_s for r in results))
         self.record_gauges()
 
     def record_gauges(self) -> None:

@@ -156,9 +156,9 @@ def unknown_fields(payload: Any, model: type[BaseModel], prefix: str = "") -> li
     """Dotted names of the keys of `payload` (and of its nested objects) that `model` has no field for."""
     if not isinstance(payload, dict):
         return []
-    names = []
+    names, fields = [], {field.alias or name: field for name, field in model.model_fields.items()}
     for key, value in payload.items():
-        field = model.model_fields.get(key)
+        field = fields.get(key)
         if field is None:
             names.append(prefix + key)
             continue

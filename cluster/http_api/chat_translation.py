@@ -61,6 +61,7 @@ def plan(ingress, chat: ChatCompletionRequest, make_formatter: Callable, id_pref
 async def respond(ingress, request: Request, generation: Generation, stream: bool) -> Response:
     """The whole answer as JSON, or its stream in the formatter's own events (the formatter is its writer)."""
     request.state.request_id = generation.request_id
+    await ingress.check_grammar(generation)
     if stream:
         return await respond_stream(request, ingress.engine, ingress.encoder, generation, generation.formatter)
     whole = await respond_whole(request, ingress.engine, ingress.encoder, generation)

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from cluster.http_api.openai_requests import MAX_SEED, ModelLimits, SamplingRequest
 from cluster.http_api.prompt_encoding import EncodedPrompt
+from cp_router.grammar_spec import GrammarSpec
 from cp_router.protocol import EngineChunk, EngineClient, EngineRequest
 
 T = TypeVar("T")
@@ -33,8 +34,9 @@ class PlannedChoice:
 
 
 def plan_choices(request_id: str, prompts: list[EncodedPrompt], max_tokens: list[int], body: SamplingRequest,
-                 logprobs: int | None, limits: ModelLimits) -> list[PlannedChoice]:
-    """n engine requests per prompt; with a seed, choice i samples with seed + i (so the n choices differ)."""
+                 logprobs: int | None, limits: ModelLimits, grammar: GrammarSpec | None = None) -> list[PlannedChoice]:
+    """n engine requests per prompt; with a seed, choice i samples with seed + i (so the n choices differ);
+    `grammar`: every choice's constraint (structured outputs)."""
     limits.check_token_ids(body.stop_token_ids, "stop_token_ids")
     bias = body.engine_logit_bias()
     limits.check_token_ids([token_id for token_id, _ in bias], "logit_bias")
@@ -52,7 +54,7 @@ def plan_choices(request_id: str, prompts: list[EncodedPrompt], max_tokens: list
                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, min_p=body.min_p,
                 logit_bias=bias, skip_special_tokens=body.skip_special_tokens,
-                include_stop_str_in_output=body.include_stop_str_in_output)
+                include_stop_str_in_output=body.include_stop_str_in_output, grammar=grammar)
             planned.append(PlannedChoice(index, prompt, request))
     return planned
 

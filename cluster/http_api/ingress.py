@@ -28,6 +28,7 @@ from cluster.http_api.body import ModelT, read_json_body
 from cluster.http_api.chat_requests import ChatCompletionRequest, tools_json
 from cluster.http_api.choice_streams import plan_choices
 from cluster.http_api.errors import MESSAGES_PATH, APIError, install_error_handlers
+from cluster.http_api.grammar_check import GrammarCheck
 from cluster.http_api.generation import ChunkWriter, Generation, respond_stream, respond_whole
 from cluster.http_api.messages_api import MESSAGES_OPERATIONS, add_messages_routes
 from cluster.http_api.middleware import AccessLogMiddleware, Admission, ConcurrencyLimitMiddleware, api_key_dependencies
@@ -44,6 +45,7 @@ from cluster.http_api.openapi_schema import JSONOperation, install_openapi
 from cluster.http_api.prompt_encoding import EncodedPrompt, PromptEncoder
 from cluster.http_api.reasoning import opens_reasoning
 from cluster.http_api.responses_api import RESPONSES_OPERATIONS, RESPONSES_PATH, add_responses_routes
+from cluster.http_api.tool_grammar import chat_grammar
 from cluster.http_api.tool_stream import ToolCallSetup, tool_call_setup
 from cluster.http_api.utility_routes import RequestIdMiddleware, add_utility_routes
 from cluster.ray_metrics import replica_metrics
@@ -74,6 +76,7 @@ class Ingress:
     metrics: ServeMetrics
     started: int
     sampling_defaults: dict  # generation_config.json's, for the fields a request leaves out
+    grammar_check: GrammarCheck  # structured outputs: every constraint compiles before its request is queued
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -96,7 +99,7 @@ class Ingress:
         max_tokens = [self.limits.resolve_max_tokens(len(p.token_ids), body.max_tokens, body.min_tokens, "prompt")
                       for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        choices = plan_choices(request_id, prompts, max_tokens, body, body.logprobs, self.limits)
+        choices = plan_choices(request_id, prompts, max_tokens, body, body.logprobs, self.limits, body.grammar_spec())
         return Generation(request_id, choices, CompletionFormatter(request_id, self.check_model(body.model)),
                           sum(len(prompt.token_ids) for prompt in prompts), echo=body.echo,
                           prompt_logprobs=body.prompt_logprobs)
@@ -120,19 +123,25 @@ class Ingress:
         max_tokens = self.limits.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens,
                                                     body.min_tokens, "messages")
         request_id = f"{id_prefix}{uuid.uuid4().hex}"
-        choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits)
         reasoning = opens_reasoning(prompt.text) if self.settings.reasoning_parser else None
+        grammar = chat_grammar(body, tools, bool(reasoning), self.encoder.tokenizer)
+        choices = plan_choices(request_id, [prompt], [max_tokens], body, body.engine_logprobs, self.limits, grammar)
         formatter = make_formatter(request_id, self.check_model(body.model), reasoning, tools)
         return Generation(request_id, choices, formatter,
                           len(prompt.token_ids), prompt_logprobs=body.prompt_logprobs)
 
     async def respond(self, request: Request, body: SamplingRequest, generation: Generation) -> Response:
         request.state.request_id = generation.request_id
+        await self.check_grammar(generation)
         if body.stream:
             writer = ChunkWriter(generation.formatter, body.include_usage_in_stream, body.usage_in_every_chunk)
             return await respond_stream(request, self.engine, self.encoder, generation, writer)
         whole = await respond_whole(request, self.engine, self.encoder, generation)
         return JSONResponse(whole.model_dump(mode="json"))
+
+    async def check_grammar(self, generation: Generation) -> None:
+        """A constrained request's grammar compiled (a 400 if it does not) before the engine sees the request."""
+        await self.grammar_check.check(generation.choices[0].request.grammar)
 
     async def read(self, request: Request, model: type[SamplingRequest]) -> SamplingRequest:
         body = self.with_sampling_defaults(await self.read_body(request, model))
@@ -188,10 +197,11 @@ def _open_ingress(engine_client: EngineClient, settings: IngressSettings, text: 
     if info.has_chat_template and encoder.chat_template is None:
         raise ValueError(f"model_dir: the engine's checkpoint has a chat template but {settings.model_dir!r} has no "
                          "tokenizer_config.json chat_template; point IngressSettings.model_dir at the checkpoint")
-    return Ingress(engine_client, settings, info, ModelLimits(info.vocab_size, info.max_model_len), encoder,
-                   replica_metrics("ingress", (settings.served_model_name or [info.name])[0], settings.metrics_replica,
-                                   settings.ray_metrics_export),
-                   int(time.time()), sampling_defaults(settings.model_dir))
+    metrics = replica_metrics("ingress", (settings.served_model_name or [info.name])[0], settings.metrics_replica,
+                              settings.ray_metrics_export)
+    return Ingress(engine_client, settings, info, ModelLimits(info.vocab_size, info.max_model_len), encoder, metrics,
+                   int(time.time()), sampling_defaults(settings.model_dir),
+                   GrammarCheck(encoder.tokenizer, info.vocab_size, settings.grammar_compile_timeout_s, metrics))
 
 
 def _add_routes(app: FastAPI, ingress: Ingress, authorized: list[params.Depends]) -> None:

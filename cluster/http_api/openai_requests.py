@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, get_args
+from typing import Annotated, Any, Callable
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
@@ -30,6 +29,8 @@ from pydantic import (
 )
 
 from cluster.http_api.errors import bad_request
+from cluster.http_api.request_model import RequestModel
+from cluster.http_api.structured_outputs import ConstraintFields
 from cluster.http_api.openapi_schema import optional_fields_take_null
 
 MAX_N = 16
@@ -59,7 +60,6 @@ def _no_op_field(no_op: Any) -> Any:
     return Annotated[Any, AfterValidator(_only(no_op)), WithJsonSchema({"anyOf": [{"const": no_op}, {"type": "null"}]})]
 
 
-TextFormatOnly = _no_op_field({"type": "text"})
 OneOnly = _no_op_field(1)
 EmptyTextOnly = _no_op_field("")
 STOP_TEXT_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
@@ -95,47 +95,13 @@ def _check_prompt(value: Any) -> Any:
 PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
 
 
-def _takes_ints(annotation: Any) -> bool:
-    """Whether a field's type holds integers and no other numbers (int, int | None, list[int], PromptInput...)."""
-    found = set()
-    pending = [annotation]
-    while pending:
-        current = pending.pop()
-        found.add(current)
-        pending += get_args(current)
-    return int in found and float not in found and Any not in found
-
-
-def _integral_as_int(value: Any, depth: int = 2) -> Any:
-    """10.0 as 10, in lists too down to `depth` (list[list[int]] is the deepest integer field)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return [_integral_as_int(item, depth - 1) for item in value] if isinstance(value, list) and depth else value
-
-
-class RequestModel(BaseModel):
-    """A part of a request body: strict types, unknown fields ignored (and named in the log, body.py)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_numbers_are_integers(cls, data: Any) -> Any:
-        """JSON has one kind of number: 10.0 is the integer 10 (as the published JSON schema's "integer" says)."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {key: _integral_as_int(value) if key in fields and _takes_ints(fields[key].annotation) else value
-                for key, value in data.items()}
-
-
 class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class SamplingRequest(RequestModel):
-    """Fields shared by completions and chat completions."""
+class SamplingRequest(ConstraintFields):
+    """Fields shared by completions and chat completions (the structured-output ones: structured_outputs.py)."""
 
     model_config = ConfigDict(json_schema_extra=optional_fields_take_null)  # `_null_means_default`, published
 
@@ -158,7 +124,6 @@ class SamplingRequest(RequestModel):
     min_p: float = Field(0.0, ge=0, le=1)
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: bool = False
-    response_format: TextFormatOnly = None  # structured output is not built: only {"type": "text"}
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob + k top
 

@@ -52,6 +52,17 @@ class ToolCallFormat(Protocol):
     def forced_prefix(self, name: str | None) -> str:
         """The text that opens a call (of function `name`, or of any function when None)."""
 
+    # For grammar-constrained calls (tool_grammar.py): the arguments' XML style in xgrammar's structural tags, what
+    # opens and closes one call of `name` (after `section_open`), and the section around the calls ("" if none).
+    xml_style: str
+    section_open: str
+    section_close: str
+    call_separator: str
+    call_close: str
+
+    def call_open(self, name: str) -> str:
+        """The markup before one call's arguments."""
+
 
 def _json_arguments(arguments: dict[str, Any]) -> str:
     return json.dumps(arguments, ensure_ascii=False)
@@ -67,8 +78,11 @@ def _json_or_text(value: str) -> Any:
 class DSMLFormat:
     """DeepSeek's DSML (`block`: "function_calls" for V3.2, "tool_calls" for V4)."""
 
+    xml_style, call_separator = "deepseek_xml", ""
+
     def __init__(self, block: str):
         self.start, self.end, self.call_end = f"<{DSML}{block}>", f"</{DSML}{block}>", f"</{DSML}invoke>"
+        self.section_open, self.section_close = f"{self.start}\n", self.end
         dsml = re.escape(DSML)
         self.invoke = re.compile(rf'<{dsml}invoke\s+name="([^"]*)"\s*>(.*?)</{dsml}invoke>', re.DOTALL)
         self.parameter = re.compile(rf'<{dsml}parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)'
@@ -84,8 +98,15 @@ class DSMLFormat:
         return calls
 
     def forced_prefix(self, name: str | None) -> str:
-        opening = f"\n\n{self.start}\n"
-        return opening if name is None else f'{opening}<{DSML}invoke name="{name}">\n'
+        opening = f"\n\n{self.section_open}"
+        return opening if name is None else f"{opening}{self.call_open(name)}"
+
+    def call_open(self, name: str) -> str:
+        return f'<{DSML}invoke name="{name}">\n'
+
+    @property
+    def call_close(self) -> str:
+        return f"{self.call_end}\n"
 
 
 class GLMFormat:
@@ -96,8 +117,11 @@ class GLMFormat:
     call = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     argument = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
+    xml_style, section_open, section_close, call_close = "glm_xml", "", "", "</tool_call>"
+
     def __init__(self, newlines: bool):
         self.newlines = newlines
+        self.call_separator = "\n" if newlines else ""
 
     def parse(self, section: str, param_types: ParamTypes) -> list[ParsedCall]:
         calls = []
@@ -111,14 +135,16 @@ class GLMFormat:
 
     @staticmethod
     def _value(text: str, schema_type: Any) -> Any:
+        """The whitespace around a value is layout (a constrained call may have some), not part of it."""
         types = schema_type if isinstance(schema_type, list) else [schema_type]
         if None in types or "string" in types:
-            return text
+            return text.strip()
         return _json_or_text(text.strip())
 
     def forced_prefix(self, name: str | None) -> str:
-        if name is None:
-            return self.start
+        return self.start if name is None else self.call_open(name)
+
+    def call_open(self, name: str) -> str:
         return f"{self.start}{name}\n" if self.newlines else f"{self.start}{name}"
 
 

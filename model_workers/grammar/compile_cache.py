@@ -41,7 +41,7 @@ class GrammarCache:
         """The compile of `spec` (started now unless cached or running); the entry becomes most recently used."""
         with self._lock:
             future = self._entries.get(spec.key)
-            if future is not None:
+            if future is not None and not future.cancelled():
                 self._entries.move_to_end(spec.key)
                 self.stats.hits += 1
                 return future

@@ -4,6 +4,7 @@ EBNF and structural tags, compiled against the checkpoint's tokenizer.json."""
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 import xgrammar as xgr
@@ -16,6 +17,7 @@ from model_workers.grammar.backend import GrammarError, TokenizerVocab
 # (pretty-printed JSON indented 2 spaces per level fits up to 9 levels deep)
 MAX_JSON_WHITESPACE = 20
 ANY_JSON_OBJECT = '{"type": "object"}'
+LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+:[0-9]+: ")  # "[13:08:43] /project/cpp/regex_converter.cc:94: "
 
 
 def tokenizer_info(vocab: TokenizerVocab) -> xgr.TokenizerInfo:
@@ -75,7 +77,7 @@ class XGrammarBackend:
         try:
             return XGrammarCompiled(self._compile(spec))
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse and schema errors
-            reason = " ".join(str(exc).split())[:500]
+            reason = LOG_PREFIX.sub("", " ".join(str(exc).split()))[:500]
             raise GrammarError(f"{spec.label or spec.kind}: the {spec.kind} does not compile: {reason}") from None
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:

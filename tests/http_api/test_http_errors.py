@@ -72,8 +72,10 @@ FIELD_CASES = [  # (case, route, body, status, param, code)
     ("stop_token_ids outside vocab", "completions", completion(stop_token_ids=[10**6]), 400, "stop_token_ids",
      "invalid_token_id"),
     ("min_tokens > max_tokens", "completions", completion(min_tokens=9), 400, "min_tokens", None),
-    ("response_format json", "completions", completion(response_format={"type": "json_object"}), 400,
-     "response_format", None),
+    ("response_format json_schema without its schema", "completions", completion(response_format={
+        "type": "json_schema"}), 400, "response_format.json_schema", None),
+    ("response_format of an unknown type", "completions", completion(response_format={"type": "xml"}), 400,
+     "response_format.type", None),
     ("repetition_penalty <= 0", "completions", completion(repetition_penalty=0.0), 400, "repetition_penalty", None),
     ("presence_penalty > 2", "completions", completion(presence_penalty=2.5), 400, "presence_penalty", None),
     ("logit_bias key not an id", "completions", completion(logit_bias={"hello": 1}), 400, "logit_bias", None),

@@ -27,6 +27,9 @@ def record_everything(metrics: ServeMetrics) -> None:
     metrics.add_preemptions()
     metrics.add_prefix_cache(queries=400, hits=256)
     metrics.set_prefix_cache_pages(cp_rank=1, pages=4)
+    metrics.count_structured_output("json_schema")
+    metrics.observe_grammar_compile(0.02)
+    metrics.observe_grammar_mask(0.0004)
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -52,7 +55,9 @@ def test_every_metric_is_prefixed_and_labelled_by_replica_and_model():
     assert rendered[("dsa_serve:metrics_scrape_errors_total", LABELS)] == 1
     assert rendered[("dsa_serve:prefix_cache_hits_total", LABELS)] == 256
     assert rendered[("dsa_serve:prefix_cache_pages", (("cp_rank", "1"), *LABELS))] == 4
-    assert len(METRIC_SPECS) == 28
+    assert rendered[("dsa_serve:structured_output_requests_total", (("constraint_type", "json_schema"), *LABELS))] == 1
+    assert rendered[("dsa_serve:grammar_mask_seconds_count", LABELS)] == 1
+    assert len(METRIC_SPECS) == 31
 
 
 def test_speculative_counters_are_vllms_and_give_the_mean_acceptance_length():
