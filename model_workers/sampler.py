@@ -4,8 +4,8 @@ Randomness is counter-based: the noise a request's output token number `index` i
 (seed, index), so the same seed gives the same tokens whatever else shares the batch, on whichever rank samples,
 and after a preemption recomputes the request.
 
-A draw is Gumbel-max (an exponential race): token i wins when p_i / E_i is largest, E_i ~ Exp(1) from the noise of
-(seed, index); that picks i with probability p_i. Speculation shares that noise: the draft for position `index`
+A draw is Gumbel-max (an exponential race): token i wins when p_i / E_i is largest, E_i ~ Exp(1) a hash of
+(seed, index, i); that picks i with probability p_i. Speculation shares that noise: the draft for position `index`
 races its own distribution q against the same E, and verification draws the target's token at each position
 exactly as plain decoding does, accepting drafts while they equal it. So speculation never changes a token, greedy
 or seeded, for any k: the output is plain decoding's (given the same target logits); only how many positions one
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from cp_router.sampling import SamplingParams
@@ -41,8 +42,8 @@ def mask_disallowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch
     they are: a token the grammar rejects is then verified away (drafts) or ends the constraint."""
     if allowed is None:
         return logits
-    masked = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-    return masked if bool(torch.isfinite(masked).any()) else logits
+    masked = torch.where(allowed.to(logits.device), logits, float("-inf"))
+    return masked if bool(masked.amax() > float("-inf")) else logits
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int],
@@ -75,11 +76,24 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, blocked: list[int
 
 
 def draw(probs: torch.Tensor, u: float) -> int:
-    """Gumbel-max draw from probs [V] (need not sum to 1) with the noise seeded by u in [0, 1): the argmax of
-    probs_i / E_i, E_i ~ Exp(1) (torch's CPU generator, the same on every process)."""
-    generator = torch.Generator().manual_seed(int(u * (1 << 53)))
-    race = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(generator=generator)  # [V]
-    return int((probs.cpu().float() / race).argmax())
+    """Gumbel-max draw from probs [V] (need not sum to 1) with the noise keyed by u in [0, 1): the argmax of
+    probs_i / E_i over the tokens with mass, E_i ~ Exp(1) a pure function of (u, i) (`race_noise`), so a token's
+    noise is the same whichever distribution races it and only the tokens with mass need any."""
+    p = probs.detach().cpu().float().numpy()  # [V]
+    ids = np.flatnonzero(p > 0)  # [S]
+    if ids.size == 0:
+        return 0
+    return int(ids[np.argmax(p[ids] / race_noise(u, ids))])
+
+
+def race_noise(u: float, token_ids: np.ndarray) -> np.ndarray:
+    """Exp(1) noise [S] float32 of the tokens `token_ids` [S] for the draw keyed by u: splitmix64 of (key, id), its
+    top 24 bits a uniform."""
+    z = token_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(int(u * (1 << 53)))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return -np.log(((z >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(1 / (1 << 24)))
 
 
 def sample(
@@ -89,8 +103,9 @@ def sample(
     """Output token number `index` from raw logits [V]; `argmax` of the raw logits when the caller has it
     (batched); `history` the request's tokens when its penalties need them; `allowed` [V] bool the grammar's."""
     blocked = params.blocked_ids(eos_ids, index)
-    if params.greedy and not blocked and not needs_processing(params) and allowed is None:
-        return int(logits.argmax()) if argmax is None else argmax
+    if params.greedy and not blocked and not needs_processing(params):
+        return (int(logits.argmax()) if argmax is None else argmax) if allowed is None \
+            else int(mask_disallowed(logits.float(), allowed).argmax())
     probs = target_probs(logits, params, blocked, history, allowed)
     return int(probs.argmax()) if params.greedy else draw(probs, uniform(params.seed, index))
 

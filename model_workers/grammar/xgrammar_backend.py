@@ -17,6 +17,9 @@ from model_workers.grammar.backend import GrammarError, TokenizerVocab
 # (pretty-printed JSON indented 2 spaces per level fits up to 9 levels deep)
 MAX_JSON_WHITESPACE = 20
 ANY_JSON_OBJECT = '{"type": "object"}'
+# JSON Schema's ipv4 is a dotted quad without leading zeros; xgrammar's grammar for the format lets "031" through
+OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+IPV4_PATTERN = f"^{OCTET}(\\.{OCTET}){{3}}$"
 LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+:[0-9]+: ")  # "[13:08:43] /project/cpp/regex_converter.cc:94: "
 
 
@@ -30,6 +33,19 @@ def tokenizer_info(vocab: TokenizerVocab) -> xgr.TokenizerInfo:
     metadata = xgr.TokenizerInfo._detect_metadata_from_hf(vocab.tokenizer_json)
     return xgr.TokenizerInfo(encoded[: vocab.vocab_size], metadata["vocab_type"], vocab_size=vocab.vocab_size,
                              stop_token_ids=[], add_prefix_space=metadata["add_prefix_space"])
+
+
+def exact_formats(schema):
+    """The schema with the string formats xgrammar is looser on than JSON Schema spelled as patterns (ipv4)."""
+    if isinstance(schema, list):
+        return [exact_formats(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: exact_formats(value) for key, value in schema.items()}
+    if out.get("format") == "ipv4" and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = IPV4_PATTERN
+    return out
 
 
 def choice_ebnf(source: str) -> str:
@@ -82,7 +98,8 @@ class XGrammarBackend:
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind in ("json_schema", "json_object"):
-            schema = spec.source if spec.kind == "json_schema" else ANY_JSON_OBJECT
+            schema = json.dumps(exact_formats(json.loads(spec.source))) if spec.kind == "json_schema" \
+                else ANY_JSON_OBJECT
             return self._compiler.compile_json_schema(schema, strict_mode=spec.strict,
                                                       max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if spec.kind == "regex":

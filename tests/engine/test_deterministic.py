@@ -185,3 +185,29 @@ def test_glm5_shared_indexer_and_mtp_index_sharing_stay_bit_exact(reference_chec
     for budget, k in ((512, 0), (32, 0), (32, 2)):
         engine = local_engine(folder, EngineOptions(**glm, prefill_token_budget=budget, num_speculative_steps=k))
         assert outcome(engine, [*others[:4], target, *others[4:]]) == alone, (budget, k)
+
+
+def test_constrained_outputs_are_the_same_bits_at_c1_and_c2_for_k_0_and_2(groups):
+    """Structured outputs: greedy and seeded, a JSON schema and a regex; the mask is applied by whichever rank
+    samples (every rank of a CP prefill, the owner in decode) and verification masks each row as plain decoding."""
+    import json
+
+    from cp_router.grammar_spec import GrammarSpec
+    from model_workers.checkpoint.tokenizer import load_tokenizer
+
+    schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"enum": ["x", "y"]}}}
+    specs = [GrammarSpec("json_schema", json.dumps(schema)), GrammarSpec("regex", r"[a-z_]{1,12}\(\)")]
+    head = tuple(load_tokenizer(MODEL).encode("import json\n\nCONFIG = json.loads('").ids)
+    requests = [EngineRequest(f"g{i}-{t}", prompt(90 + 40 * i, 300 + i) + head, 120, temperature=t, seed=11 + i,
+                              logprobs=2, grammar=spec) for i, spec in enumerate(specs) for t in (0.0, 0.9)]
+    expected = outcomes(local_engine(MODEL, options(prefill_token_budget=2048)), requests)
+    assert all(len(tokens) > 3 for tokens, _ in expected.values())
+    for k in (0, 2):
+        if k:
+            assert outcomes(local_engine(MODEL, options(num_speculative_steps=k)), requests) == expected
+        cp = ResolvedCPConfig(True, 2, "zigzag", "legacy")
+        engine = engine_over_workers(resolve_engine_spec(MODEL, cp, options(num_speculative_steps=k,
+                                                                  cp_min_prefill_tokens=0)),
+                                     groups[1].workers)
+        assert outcomes(engine, requests) == expected, f"C = 2, k = {k}"

@@ -111,7 +111,7 @@ def test_every_request_field_constrains_completions_streamed_or_not(engine, body
     run(app_of(engine), scenario)
 
 
-@pytest.mark.parametrize("parser", ["deepseek_v32", "glm47", "glm45"])
+@pytest.mark.parametrize("parser", ["deepseek_v32", "deepseek_v4", "glm47", "glm45"])
 def test_forced_tool_calls_always_parse_and_validate(engine, parser):
     app = app_of(engine, tool_call_parser=parser, enable_auto_tool_choice=True)
 
