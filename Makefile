@@ -18,7 +18,9 @@ serve: install
 	$(VENV)/bin/dsa-serve serve
 
 # The suite without the slow end-to-end runs (a short soak, the bench serve workloads against real servers,
-# routing across two engine replicas): those are `make test-slow`, so that `make test` stays under 25 minutes on CI.
+# routing across two engine replicas, and the Ray Serve deployments driven through drain, redeploy, replica
+# failover, a second node, direct ingress and Ray's metrics export): those are `make test-slow`, so that `make test`
+# stays under 25 minutes on CI. Rank recovery, the Serve app end to end and every equality test stay in `make test`.
 test: install
 	$(PY) -m pytest -q -m "not slow" tests
 
@@ -52,6 +54,7 @@ bench: install
 	$(DSA) bench ep --json > $(BENCH_DIR)/ep.json
 	$(DSA) bench ep-exchange --json > $(BENCH_DIR)/ep_exchange.json
 	$(DSA) bench kv-cache --json > $(BENCH_DIR)/kv_cache.json
+	$(DSA) bench structured --json > $(BENCH_DIR)/structured.json
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype bfloat16 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_bfloat16.json
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype fp8_e4m3 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_fp8_e4m3.json
 	$(DSA) bench decode --speculative-num-steps 0 --batch-size 1,8,32 --max-tokens 32 --json > $(BENCH_DIR)/decode_plain_pair.json

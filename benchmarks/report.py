@@ -107,7 +107,7 @@ def model_line(result: dict) -> str:
     """Which model the result ran on, from its `model_fingerprint` (results from before it say so)."""
     fingerprint = result.get("model_fingerprint")
     if not fingerprint:
-        return "Model: not recorded in this result."
+        return "Model: not recorded."
     sha = fingerprint.get("weights_sha256")
     return (f"Model: {fingerprint.get('num_hidden_layers')} decoder layers, weights sha256 "
             f"{f'`{sha}`' if sha else 'not in a model card'}.")

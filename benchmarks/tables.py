@@ -47,8 +47,8 @@ def prefill_detail(result: dict) -> list[str]:
     layouts = ("zigzag", "interleave", "contiguous")
     rows = [[e["prompt_len"], *[e.get("modeled_causal_work_imbalance", {}).get(k) for k in layouts],
              e.get("compute_imbalance_max_over_mean")] for e in entries]
-    lines += ["Causal work max/mean per rank (model: causal query-key pairs each rank's indexer scores), next to "
-             f"the measured compute max/mean of this run ({result.get('cp_strategy')}):", ""]
+    lines += ["Causal work max/mean per rank (model: the query-key pairs its indexer scores) vs the measured compute "
+             f"max/mean ({result.get('cp_strategy')}):", ""]
     lines += markdown_table(["L", *[f"{k} (model)" for k in layouts], "measured"], rows)
     phases = ("indexer", "attention", "mlp", "communication", "other")
     rows = []
@@ -75,8 +75,8 @@ def served_and_one_batch(result: dict, entries: list[dict]) -> list[str]:
             for e in entries if e.get("one_batch")]
     if not rows:
         return []
-    lines = [f"Served path (chunks of {result.get('prefill_chunk_tokens')} tokens, as `serve` runs prefill; the "
-             "table above) against the same prompt as one unchunked batch:", ""]
+    lines = [f"Served path (chunks of {result.get('prefill_chunk_tokens')} tokens as `serve` runs it: the table above) "
+             "vs one unchunked batch:", ""]
     return lines + markdown_table(["L", "chunks", "served C=1 s", "served C ranks s", "served eff.", "one batch C=1 s",
                                    "one batch C ranks s", "one batch eff."], rows) + [""]
 
@@ -155,5 +155,16 @@ def kv_cache_table(result: dict) -> list[str]:
                         f"{result['fp8_capacity_gain']}x the tokens."]
 
 
+def structured_table(result: dict) -> list[str]:
+    mask, validity = result["mask_overhead"], result["validity"]
+    medians = mask["median_tokens_per_s"]
+    lines = markdown_table(["streams", "tokens / request", "constrained tokens/s", "free tokens/s", "ratio"],
+                           [[mask["streams"], mask["max_tokens"], medians["constrained"], medians["free"],
+                             mask["ratio"]]])
+    lines += ["", f"Schema suite: {validity['valid']} of {validity['requests']} outputs ({validity['schemas']} schemas, "
+                  f"greedy and seeded) parse and validate; mean {validity['mean_tokens']} tokens per output."]
+    return lines + [f"- {failure['request']}: {failure['reason']}" for failure in validity["failures"]]
+
+
 TABLES = {"attention": attention_table, "prefill": prefill_table, "decode": decode_table, "serve": serve_table,
-          "kv-cache": kv_cache_table}
+          "kv-cache": kv_cache_table, "structured": structured_table}

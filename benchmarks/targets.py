@@ -211,6 +211,17 @@ def shared_prefix_ratio(name: str, doc_len: int = 0, concurrency: int | None = N
     return check
 
 
+def structured_mask_overhead(results: dict[str, list[dict]]) -> Outcome:
+    return combine([(f"{r['mask_overhead']['ratio']:.3f}x ({r['mask_overhead']['streams']} streams)",
+                     r["mask_overhead"]["ratio"] >= 0.85) for r in results.get("structured", [])])
+
+
+def structured_validity(results: dict[str, list[dict]]) -> Outcome:
+    return combine([(f"{r['validity']['valid']} / {r['validity']['requests']} ({r['validity']['schemas']} schemas)",
+                     r["validity"]["valid"] == r["validity"]["requests"] and r["validity"]["schemas"] >= 50)
+                    for r in results.get("structured", [])])
+
+
 def combine(outcomes: list[tuple[str, bool]]) -> Outcome:
     """Several results measuring one target: every one must pass."""
     if not outcomes:
@@ -248,6 +259,10 @@ TARGETS = (
            shared_prefix_ratio("chat_ttft_p50_ratio"), SHARED_PREFIX),
     Target("prefix cache, nothing shared: tokens/s at 32 streams >= 0.9x cache off (median of 3 rounds)", "serve",
            shared_prefix_ratio("no_sharing_throughput_ratio", concurrency=32), SHARED_PREFIX),
+    Target("structured outputs: decode tokens/s at 32 streams, every request JSON-schema constrained >= 0.85x "
+           "unconstrained", "structured", structured_mask_overhead),
+    Target("structured outputs: every output of >= 50 schemas parses and validates", "structured",
+           structured_validity),
 )
 
 

@@ -88,12 +88,12 @@ def draw(probs: torch.Tensor, u: float) -> int:
 
 def race_noise(u: float, token_ids: np.ndarray) -> np.ndarray:
     """Exp(1) noise [S] float32 of the tokens `token_ids` [S] for the draw keyed by u: splitmix64 of (key, id), its
-    top 24 bits a uniform."""
+    top 23 bits a uniform strictly inside (0, 1) in float32 (with 24, the largest rounds to 1 and its noise to 0)."""
     z = token_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(int(u * (1 << 53)))
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
-    return -np.log(((z >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(1 / (1 << 24)))
+    return -np.log(((z >> np.uint64(41)).astype(np.float32) + np.float32(0.5)) * np.float32(1 / (1 << 23)))
 
 
 def sample(

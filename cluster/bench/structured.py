@@ -14,7 +14,8 @@ import json
 import statistics
 import time
 
-from cluster.bench.common import spelled_command
+from cluster.bench.common import model_fingerprint, spelled_command
+from cluster.bench.serve_result import machine
 from cluster.commands.result_output import print_result
 
 STRUCTURED_FLAGS = ("model", "streams", "max_tokens", "repeats", "schemas", "schema_max_tokens", "speculative_num_steps")
@@ -26,8 +27,8 @@ def add_parser(kinds) -> None:
     bench = kinds.add_parser("structured", help="structured outputs: grammar mask overhead and schema validity")
     bench.add_argument("--model", default=None, help="checkpoint folder with a tokenizer (default: the embedded one)")
     bench.add_argument("--streams", type=int, default=32, help="concurrent constrained requests (mask overhead)")
-    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (mask overhead)")
-    bench.add_argument("--repeats", type=int, default=3, help="constrained / unconstrained run pairs")
+    bench.add_argument("--max-tokens", type=int, default=128, help="tokens per request (mask overhead)")
+    bench.add_argument("--repeats", type=int, default=5, help="constrained / unconstrained run pairs")
     bench.add_argument("--schemas", type=int, default=0, help="schemas of the suite to check (0: all)")
     bench.add_argument("--schema-max-tokens", type=int, default=1024, help="budget of a schema-constrained request")
     bench.add_argument("--speculative-num-steps", type=int, default=0, help="MTP drafts per step")
@@ -115,7 +116,7 @@ def run_structured(args: argparse.Namespace) -> int:
         raise ValueError(f"--model: {model_dir} has no tokenizer.json; structured outputs need one")
     engine = engine_for(model_dir, args)
     result = {"bench": "structured", "command": spelled_command("structured", args, STRUCTURED_FLAGS),
-              "model": str(model_dir),
+              "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir), "machine": machine(),
               "speculative_num_steps": args.speculative_num_steps,
               "mask_overhead": mask_overhead(engine, tuple(tokenizer.encode(MASK_PROMPT).ids), args),
               "validity": schema_validity(engine, tuple(tokenizer.encode(JSON_PROMPT).ids), args)}

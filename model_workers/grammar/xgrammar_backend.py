@@ -17,9 +17,15 @@ from model_workers.grammar.backend import GrammarError, TokenizerVocab
 # (pretty-printed JSON indented 2 spaces per level fits up to 9 levels deep)
 MAX_JSON_WHITESPACE = 20
 ANY_JSON_OBJECT = '{"type": "object"}'
-# JSON Schema's ipv4 is a dotted quad without leading zeros; xgrammar's grammar for the format lets "031" through
+# String formats xgrammar's grammars are looser on than JSON Schema, spelled as exact patterns: ipv4 without leading
+# zeros ("031"), dates with a day the month has (February stops at 28: a 29th is never invalid-free without the
+# year's leap rule); formats and patterns whose maxLength xgrammar would ignore (it warns) get bounded ones.
 OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-IPV4_PATTERN = f"^{OCTET}(\\.{OCTET}){{3}}$"
+DATE = ("[0-9]{4}-(((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01]))|((0[469]|11)-(0[1-9]|[12][0-9]|30))"
+        "|(02-(0[1-9]|1[0-9]|2[0-8])))")
+TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {"ipv4": f"^{OCTET}(\\.{OCTET}){{3}}$", "date": f"^{DATE}$", "date-time": f"^{DATE}T{TIME}$"}
+SIMPLE_PATTERN = re.compile(r"\^(\[[^\]\\]+\]|\\[dw])([+*])\$")  # ^[a-c]+$, ^\d*$: one class repeated
 LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+:[0-9]+: ")  # "[13:08:43] /project/cpp/regex_converter.cc:94: "
 
 
@@ -42,10 +48,25 @@ def exact_formats(schema):
     if not isinstance(schema, dict):
         return schema
     out = {key: exact_formats(value) for key, value in schema.items()}
-    if out.get("format") == "ipv4" and "pattern" not in out:
-        del out["format"]
-        out["pattern"] = IPV4_PATTERN
+    if out.get("format") in FORMAT_PATTERNS and "pattern" not in out:
+        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+    if out.get("format") == "email" and "maxLength" in out and "pattern" not in out:
+        out.pop("format")
+        out["pattern"] = bounded_email(out.pop("maxLength"))
+        out.pop("minLength", None)
+    simple = SIMPLE_PATTERN.fullmatch(out.get("pattern", "")) if "maxLength" in out else None
+    if simple is not None:
+        low = max(out.pop("minLength", 0), 1 if simple.group(2) == "+" else 0)
+        out["pattern"] = f"^{simple.group(1)}{{{low},{out.pop('maxLength')}}}$"
     return out
+
+
+def bounded_email(max_length: int) -> str:
+    """An address of at most `max_length` characters: local@label.tld."""
+    local = max(1, (max_length - 5) // 2)
+    tld = max(2, min(6, max_length - local - 3))
+    label = max(1, max_length - local - tld - 2)
+    return f"^[A-Za-z0-9._%+-]{{1,{local}}}@[A-Za-z0-9-]{{1,{label}}}\\.[A-Za-z]{{2,{tld}}}$"
 
 
 def choice_ebnf(source: str) -> str:

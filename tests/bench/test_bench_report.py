@@ -95,7 +95,7 @@ def test_report_tables_verdicts_and_plots(results_dir, tmp_path):
     assert "records no command" in text  # the prefill JSON has none
     assert "broken.json: not JSON" in text
     assert "Model: 8 decoder layers, weights sha256 `0123456789abcdef`." in text  # decode's fingerprint
-    assert "Model: not recorded in this result." in text  # the attention JSON has none
+    assert "Model: not recorded." in text  # the attention JSON has none
     for name in ("attention", "prefill_8k", "prefill_long", "decode"):
         png = tmp_path / "out" / "plots" / f"{name}.png"
         assert png.is_file() and png.stat().st_size > 1000

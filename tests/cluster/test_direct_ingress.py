@@ -26,6 +26,8 @@ from support.http_fakes import FakeEngine, write_checkpoint_files
 from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
                                    wait_until_ready)
 
+pytestmark = pytest.mark.slow  # a Ray Serve deployment driven end to end (minutes): `make test-slow`
+
 
 def named(name: bytes):
     """A minimal ASGI app answering every request with `name`."""

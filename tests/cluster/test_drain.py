@@ -25,6 +25,8 @@ import pytest
 
 from support.serve_process import free_port, start_server, wait_until_ready
 
+pytestmark = pytest.mark.slow  # a Ray Serve deployment driven end to end (minutes): `make test-slow`
+
 # Streams long enough to outlast the new replica's start: with 100 tokens they once ended before the old replica
 # began to stop (2026-12-05, after speculation got faster), and the test saw no stopping replica to check.
 REDEPLOY_STREAM_TOKENS = 400

@@ -21,6 +21,8 @@ from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine
 from support.streams import act_after_steps, outcomes
 
+pytestmark = pytest.mark.slow  # a Ray Serve deployment driven end to end (minutes): `make test-slow`
+
 MODEL = resolve_model_dir(None)
 CP = ResolvedCPConfig(enabled=True, cp_size=2, strategy="zigzag", impl="legacy")
 DTYPE, NUM_PAGES, PAGE_SIZE, VOCAB = "bfloat16", 64, 64, 6144

@@ -19,6 +19,8 @@ from cluster.serve_app import APP_NAME, build_application, validate_args
 from cluster.serve_settings import API_KEY_ENV
 from support.serve_process import free_port
 
+pytestmark = pytest.mark.slow  # a Ray Serve deployment driven end to end (minutes): `make test-slow`
+
 EXPORT_TIMEOUT_S = 120  # Ray's workers report every few seconds; its agent serves what it last received
 MODEL = "tiny-dsa"
 

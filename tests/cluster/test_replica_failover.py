@@ -17,6 +17,8 @@ import pytest
 from support.serve_process import (descendant_pids, free_port, start_server, stop_with_ctrl_c, wait_for_log,
                                    wait_until_ready)
 
+pytestmark = pytest.mark.slow  # a Ray Serve deployment driven end to end (minutes): `make test-slow`
+
 MAX_TOKENS, NUM_REQUESTS = 60, 8
 
 
