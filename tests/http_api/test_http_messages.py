@@ -17,21 +17,18 @@ from fastapi.testclient import TestClient
 
 from cluster.http_api.ingress import build_app
 from cluster.http_api.messages_requests import MessagesRequest
-from cluster.http_api.tool_parsers import DSML
 from cluster.serve_settings import IngressSettings
 from cp_router.protocol import EngineChunk, EngineUnavailableError
 from model_workers.checkpoint.model_dir import PACKAGED_MODEL_DIR
+from support.http_clients import DSML_CALL, WIDE, scripted_tool_app
 from support.http_fakes import INFO, FakeEngine, ScriptedEngine, write_checkpoint_files, write_deepseek_checkpoint
 
 WEATHER = {"name": "get_weather", "description": "the weather", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
 CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
                                                  "parameters": WEATHER["input_schema"]}}
-CALL = [" I will check.", "\n\n", f"<{DSML}function_calls>\n<{DSML}invoke name=", '"get_weather">\n',
-        f'<{DSML}parameter name="city" string="true">Paris</{DSML}', "parameter>\n",
-        f'<{DSML}parameter name="days" string="false">2</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}function_calls>']
+CALL = DSML_CALL
 HELLO = [{"role": "user", "content": "hello"}]
-WIDE = dataclasses.replace(INFO, max_model_len=4096)
 
 
 def block_events(deltas: int, signed: bool = False) -> list[str]:
@@ -60,11 +57,8 @@ async def post_json(app, path: str, body: dict) -> dict:
 
 @pytest.fixture
 def served(tmp_path):
-    folder, _ = write_deepseek_checkpoint(tmp_path / "dsv32")
-    engine = ScriptedEngine(CALL, info=WIDE)
-    settings = IngressSettings(model_dir=str(folder), tool_call_parser="deepseek_v32", enable_auto_tool_choice=True,
-                               reasoning_parser="deepseek_v3")
-    return engine, build_app(engine, settings)
+    engine, app, _ = scripted_tool_app(tmp_path / "dsv32")
+    return engine, app
 
 
 def test_greedy_messages_equal_chat_whole_streamed_and_counted_on_the_default_model(default_model_app):

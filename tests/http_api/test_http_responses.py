@@ -4,30 +4,24 @@ round trip through input items (the prompt is chat's), and what is refused, with
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 
-import httpx
-import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from cluster.http_api.ingress import build_app
 from cluster.http_api.responses_requests import ResponsesRequest
-from cluster.http_api.tool_parsers import DSML
 from cluster.serve_settings import IngressSettings
 from cp_router.protocol import EngineChunk, EngineUnavailableError
 from model_workers.checkpoint.model_dir import PACKAGED_MODEL_DIR
+from support.http_clients import DSML_CALL, WIDE, run_openai, scripted_tool_app
 from support.http_fakes import INFO, ScriptedEngine, write_checkpoint_files, write_deepseek_checkpoint
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
 CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}
-CALL = [" I will check.", "\n\n", f"<{DSML}function_calls>\n<{DSML}invoke name=", '"get_weather">\n',
-        f'<{DSML}parameter name="city" string="true">Paris</{DSML}', "parameter>\n",
-        f'<{DSML}parameter name="days" string="false">2</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}function_calls>']
-WIDE = dataclasses.replace(INFO, max_model_len=4096)
+CALL = DSML_CALL
 START = ["response.created", "response.in_progress"]
 
 
@@ -42,20 +36,13 @@ CALL_EVENTS = ["response.output_item.added", "response.function_call_arguments.d
 
 
 def run(app, scenario):
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120)
-        await scenario(openai.AsyncOpenAI(api_key="x", base_url="http://test/v1", http_client=http, max_retries=0))
-
-    asyncio.run(main())
+    run_openai(app, scenario)
 
 
 @pytest.fixture
 def served(tmp_path):
-    folder, tokenizer = write_deepseek_checkpoint(tmp_path / "dsv32")
-    engine = ScriptedEngine(CALL, info=WIDE)
-    settings = IngressSettings(model_dir=str(folder), tool_call_parser="deepseek_v32", enable_auto_tool_choice=True,
-                               reasoning_parser="deepseek_v3")
-    return engine, build_app(engine, settings)
+    engine, app, _ = scripted_tool_app(tmp_path / "dsv32")
+    return engine, app
 
 
 def test_greedy_answers_equal_chat_whole_and_streamed_on_the_default_model(default_model_app):

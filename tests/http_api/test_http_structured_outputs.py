@@ -6,11 +6,9 @@ arguments are constrained (required, a named function, auto); the constraint aft
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
-import httpx
 import jsonschema
 import openai
 import pydantic
@@ -21,6 +19,7 @@ from cluster.engine_spec import EngineOptions
 from cluster.http_api.ingress import build_app
 from cluster.serve_settings import IngressSettings
 from model_workers.checkpoint.model_dir import PACKAGED_MODEL_DIR
+from support.http_clients import run_openai
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "size": {"type": "integer", "minimum": 0,
@@ -51,12 +50,7 @@ def app_of(engine, **settings):
 
 
 def run(app, scenario):
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=300)
-        return await scenario(openai.AsyncOpenAI(api_key="x", base_url="http://test/v1", http_client=http,
-                                                 max_retries=0))
-
-    return asyncio.run(main())
+    return run_openai(app, scenario, timeout=300)
 
 
 def test_json_schema_and_json_object_on_chat_and_completions(engine):

@@ -4,12 +4,8 @@ requests and flags that are refused with the reason."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 
-import httpx
-import openai
 import pytest
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -17,33 +13,23 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from cluster.http_api.ingress import build_app
 from cluster.http_api.tool_parsers import DSML
 from cluster.serve_settings import IngressSettings, ServeAppArgs
-from support.http_fakes import INFO, ScriptedEngine, write_deepseek_checkpoint, write_glm_checkpoint
+from support.http_clients import DSML_CALL, WIDE, run_openai, scripted_tool_app
+from support.http_fakes import ScriptedEngine, write_deepseek_checkpoint, write_glm_checkpoint
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-CALL = [" I will check.", "\n\n", f"<{DSML}function_calls>\n<{DSML}invoke name=", '"get_weather">\n',
-        f'<{DSML}parameter name="city" string="true">Paris</{DSML}', "parameter>\n",
-        f'<{DSML}parameter name="days" string="false">2</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}function_calls>']
+CALL = DSML_CALL
 ASK = [{"role": "user", "content": "hello"}]
-WIDE = dataclasses.replace(INFO, max_model_len=4096)  # room for the tools section
 
 
 @pytest.fixture
 def served(tmp_path):
-    folder, tokenizer = write_deepseek_checkpoint(tmp_path / "dsv32")
-    engine = ScriptedEngine(CALL, info=WIDE)
-    settings = IngressSettings(model_dir=str(folder), tool_call_parser="deepseek_v32", enable_auto_tool_choice=True,
-                               reasoning_parser="deepseek_v3")
-    return engine, build_app(engine, settings), tokenizer
+    return scripted_tool_app(tmp_path / "dsv32")
 
 
 def run(app, scenario):
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-        await scenario(openai.AsyncOpenAI(api_key="x", base_url="http://test/v1", http_client=http, max_retries=0))
-
-    asyncio.run(main())
+    run_openai(app, scenario)
 
 
 def test_auto_tool_calls_whole_and_streamed_through_the_openai_client(served):
