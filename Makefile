@@ -18,9 +18,11 @@ serve: install
 	$(VENV)/bin/dsa-serve serve
 
 # The suite without the slow end-to-end runs (a short soak, the bench serve workloads against real servers,
-# routing across two engine replicas, and the Ray Serve deployments driven through drain, redeploy, replica
-# failover, a second node, direct ingress and Ray's metrics export): those are `make test-slow`, so that `make test`
-# stays under 25 minutes on CI. Rank recovery, the Serve app end to end and every equality test stay in `make test`.
+# routing across two engine replicas, the Ray Serve deployments driven through drain, redeploy, replica failover, a
+# second node, direct ingress and Ray's metrics export, the separate-placement Serve app, the GPU check's dry run,
+# bench commands through Ray or without it, log forwarding under Ray and the heap over many forwards): those are
+# `make test-slow`, so that `make test` stays under 25 minutes on CI. Rank recovery, the colocated Serve app end to
+# end and every equality test stay in `make test`.
 test: install
 	$(PY) -m pytest -q -m "not slow" tests
 

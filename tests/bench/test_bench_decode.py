@@ -57,6 +57,7 @@ def test_cost_model_uses_the_plain_run_of_the_same_batch_size():
     assert "draft_cost_c" not in other  # no k = 0 run at batch 1: no cost model
 
 
+@pytest.mark.slow  # a Ray worker for a bench's shape: `make test-slow`
 def test_decode_bench_through_a_ray_worker(capsys, mtp_folder):
     result = bench_json(capsys, mtp_folder, "--speculative-num-steps", "0,1", "--batch-size", "4", "--ray",
                         "--rounds", "1")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 WITHOUT_RAY = """
 import sys
@@ -35,6 +37,7 @@ def run_without_ray(*argv: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow  # two bench commands end to end: `make test-slow`
 def test_decode_at_c1_runs_where_ray_cannot_be_imported():
     result = run_without_ray("bench", "decode", "--speculative-num-steps", "0,1", "--batch-size", "1", "--max-tokens",
                              "4", "--rounds", "1", "--json")
@@ -43,6 +46,7 @@ def test_decode_at_c1_runs_where_ray_cannot_be_imported():
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in result["runs"])
 
 
+@pytest.mark.slow  # two bench commands end to end: `make test-slow`
 def test_prefill_at_c1_runs_where_ray_cannot_be_imported():
     result = run_without_ray("bench", "prefill", "--cp-size", "1", "--prompt-len", "64,128", "--json")
     assert [e["prompt_len"] for e in result["lengths"]] == [64, 128]

@@ -26,7 +26,7 @@ API_KEY = "sk-e2e"
 PROMPTS = ["Hello", "The quick brown fox", "def main():", "Once upon a time"]
 
 
-@pytest.fixture(scope="module", params=["colocated", "separate"])
+@pytest.fixture(scope="module", params=["colocated", pytest.param("separate", marks=pytest.mark.slow)])  # separate: make test-slow
 def server(tmp_path_factory, request):
     """Base URL of a running server (each engine placement; the separate one with the experts partitioned over
     its two ranks, --ep-size 2); on teardown Ctrl-C must stop it cleanly."""

@@ -48,6 +48,7 @@ def dry_run(tmp_path_factory):
     return json.loads((out / "gpu_check.json").read_text()), done.stdout, time.monotonic() - started
 
 
+@pytest.mark.slow  # the GPU check's whole dry run (about a minute): `make test-slow`
 def test_every_kernel_is_compared_with_the_torch_path_and_passes(dry_run):
     record, _, _ = dry_run
     cases = record["sections"]["kernels"]["cases"]
@@ -66,6 +67,7 @@ def test_every_kernel_is_compared_with_the_torch_path_and_passes(dry_run):
     assert any(c["shape"].get("heads") == 64 for c in cases if c["kind"] == "sparse_mla")  # a 64-head tile
 
 
+@pytest.mark.slow  # the GPU check's whole dry run (about a minute): `make test-slow`
 def test_every_section_ran_or_says_why_not(dry_run):
     record, _, elapsed = dry_run
     sections = record["sections"]
@@ -82,6 +84,7 @@ def test_every_section_ran_or_says_why_not(dry_run):
     assert elapsed < 300  # the check itself is sized for about a minute here
 
 
+@pytest.mark.slow  # the GPU check's whole dry run (about a minute): `make test-slow`
 def test_the_model_section_measures_both_models_on_both_kernel_sets(dry_run):
     record, _, _ = dry_run
     models = {m["model"]: m for m in record["sections"]["model"]["models"]}
@@ -98,6 +101,7 @@ def test_the_model_section_measures_both_models_on_both_kernel_sets(dry_run):
     assert models["v32_random"]["layers"] == 2
 
 
+@pytest.mark.slow  # the GPU check's whole dry run (about a minute): `make test-slow`
 def test_the_table_is_printed_last(dry_run):
     record, stdout, _ = dry_run
     table = "\n".join(record["table"])

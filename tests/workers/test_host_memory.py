@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cp_router.plans import DecodeItem, StepPlan
 from model_workers.cp_worker import plan_is_idle
 from model_workers.host_memory import MALLOC_VARIABLES, ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES
@@ -45,6 +47,7 @@ def run_shapes(total: int, measured_from: int, env: dict) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
+@pytest.mark.slow  # a memory behaviour over many forwards: `make test-slow`
 def test_new_row_counts_stop_growing_the_heap_once_the_caches_are_full():
     env = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHE_VARIABLES}
     start = 300  # past ONEDNN_CACHE_CAPACITY: full caches from here on
@@ -96,6 +99,7 @@ def test_a_rank_serves_tensors_of_a_few_mib_from_the_heap():
     assert large_allocation("set", env) == {"applied": True, "mapped_mib": 0}
 
 
+@pytest.mark.slow  # a memory behaviour over many forwards: `make test-slow`
 def test_an_operator_malloc_setting_wins():
     clean = {k: v for k, v in os.environ.items() if k not in MALLOC_VARIABLES and k != "GLIBC_TUNABLES"}
     for setting in ({"MALLOC_MMAP_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}):

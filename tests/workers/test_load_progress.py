@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from model_workers.checkpoint.model_dir import read_model_spec
 from model_workers.cp_worker import CPWorker
 from model_workers.load_progress import GIB, LoadProgress
@@ -65,6 +67,7 @@ def test_a_worker_load_logs_what_it_read(caplog):
     assert last.startswith(f"cp_rank 0: weights loaded: {worker.load_report.total_bytes / GIB:.2f} GiB read of a ")
 
 
+@pytest.mark.slow  # a Ray group for log forwarding: `make test-slow`
 def test_every_rank_actors_lines_reach_the_driver_under_ray():
     expected = {f"cp_rank {r}: {what}" for r in (0, 1) for what in ("loading weights from ", "weights loaded: ")}
     process = subprocess.Popen([sys.executable, "-c", RANKS_UNDER_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
