@@ -18,15 +18,14 @@ import time
 from typing import AsyncIterator, Awaitable, Callable
 
 from cp_router.detached import detached_task
+from cp_router.engine_handoff import EngineHandoff
 from cp_router.engine_monitor import EngineMonitor
+from cp_router.engine_recovery import EngineRecovery
 from cp_router.engine_stats import EngineStats
 from cp_router.metrics import ServeMetrics
 from cp_router.plans import StepResult
-from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, EngineUnavailableError, ModelInfo
-from cp_router.protocol import one_line
-from cp_router.recovery import MAX_RESUMES, RECOVERY_TIMEOUT_S, GroupRepair, RecoveryClock, RecoveryRecord
-from cp_router.recovery import raise_step_failure
-from cp_router.request_state import WAITING
+from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, ModelInfo, one_line
+from cp_router.recovery import MAX_RESUMES, RECOVERY_TIMEOUT_S, GroupRepair, RecoveryRecord, raise_step_failure
 from cp_router.request_stream import RequestStream, sampling_of
 from cp_router.scheduler import ScheduledStep, Scheduler
 
@@ -37,7 +36,7 @@ StepObserver = Callable[[ScheduledStep, list[StepResult]], Awaitable[None] | Non
 IDLE_FREE_DELAY_S = 1.0
 
 
-class GenerationEngine:
+class GenerationEngine(EngineRecovery, EngineHandoff):
     def __init__(self, workers: list, scheduler: Scheduler, tokenizer, info: ModelInfo,
                  metrics: ServeMetrics | None = None, max_waiting: int = 4096, stuck_after_s: float = 120.0,
                  repair: GroupRepair | None = None, max_resumes: int = MAX_RESUMES):
@@ -57,6 +56,7 @@ class GenerationEngine:
         self._last_step_end = 0.0
         self._group_error: str | None = None
         self._free_now = False  # `drain`: frees go to the ranks at once
+        self._reservations: dict[str, asyncio.Future] = {}  # disaggregation, decode side: waiting for pages
 
     @property
     def free_pages(self) -> list[int]:
@@ -84,6 +84,7 @@ class GenerationEngine:
             yield chunk
 
     async def abort(self, request_id: str) -> None:
+        self._cancel_reservation(request_id)
         stream = self.streams.pop(request_id, None)
         self.scheduler.finish(request_id)
         if stream is not None:
@@ -123,25 +124,31 @@ class GenerationEngine:
                 raise RuntimeError(self._group_error) from None
 
     # the loop -------------------------------------------------------------------------------------
-    async def _chunks(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def _chunks(self, request: EngineRequest, handoff: bool = False) -> AsyncIterator[EngineChunk]:
+        """`handoff`: a prefill group's request, whose stream ends with a `HandoffTicket` (engine_handoff.py)."""
         self._ensure_loop()
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise EngineOverloadedError(f"engine queue full ({self.max_waiting} waiting requests)")
         stream = RequestStream(request, self.tokenizer)
-        self.scheduler.add(request.request_id, list(request.prompt_token_ids), sampling_of(request))
+        self.scheduler.add(request.request_id, list(request.prompt_token_ids), sampling_of(request), handoff)
         self.streams[request.request_id] = stream
         self._poke()
+        async for item in self._consume(stream):
+            yield item
+
+    async def _consume(self, stream: RequestStream) -> AsyncIterator[EngineChunk]:
+        """A registered stream's items until its last; an unfinished one is aborted when its reader stops."""
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finish_reason is not None:
+                if not isinstance(item, EngineChunk) or item.finish_reason is not None:
                     return
         finally:
             if not stream.finished:
-                await self.abort(request.request_id)
+                await self.abort(stream.request.request_id)
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -180,6 +187,7 @@ class GenerationEngine:
         """One lockstep step over the ranks that have something to do."""
         start = time.perf_counter()
         step = self.scheduler.schedule()
+        self._reserved(step.reserved)
         if not step.plans:
             await asyncio.sleep(0.001)
             return
@@ -191,6 +199,7 @@ class GenerationEngine:
             if inspect.isawaitable(seen := observer(step, results)):
                 await seen
         outputs = {rid: out for result in results for rid, out in result.outputs.items()}
+        handoffs = {rid: handoff for result in results for rid, handoff in result.handoffs.items()}
         first_tokens = False
         for request_id, tokens in self.scheduler.apply(step, outputs).items():
             reason, stream = outputs[request_id].finish_reason, self.streams.get(request_id)
@@ -199,6 +208,10 @@ class GenerationEngine:
                 stream.cached_tokens = self.scheduler.requests[request_id].cached_tokens or 0
                 first_tokens = first_tokens or (stream.completion_tokens == 0 and bool(tokens))
                 reason = stream.push(tokens, outputs[request_id].logprobs, reason, prompt_logprobs)
+            if reason is None and request_id in handoffs:  # disaggregation: it decodes in a decode group
+                if stream is not None:
+                    stream.hand_off(handoffs[request_id], self.scheduler.requests[request_id].output_ids)
+                reason = "handoff"
             if reason is not None:
                 self.scheduler.finish(request_id)
                 self.streams.pop(request_id, None)
@@ -212,82 +225,6 @@ class GenerationEngine:
                 since_last_s: float) -> None:
         self._last_progress = time.monotonic()
         self.monitor.after_step(step, results, outputs, wall_s, since_last_s)
-
-    async def _rejoin_group(self) -> None:
-        """After a failed step: every rank leaves its (possibly broken) group and joins a fresh one."""
-        if len(self.workers) < 2:
-            return
-        try:
-            master_addr, master_port = await self.workers[0].rendezvous_address.remote()
-            await asyncio.gather(*[w.rejoin.remote(master_addr, master_port) for w in self.workers])
-            self._group_error = None
-        except Exception as exc:  # noqa: BLE001 - a rank is gone: health checks report it from here on
-            self._group_error = f"rank group could not be re-formed: {one_line(exc)}"
-
-    def _fail_all(self, error: Exception) -> int:
-        """Ends every request with `error`; returns how many there were."""
-        request_ids = set(self.streams) | set(self.scheduler.requests)
-        for request_id in request_ids:
-            if (stream := self.streams.pop(request_id, None)) is not None:
-                stream.fail(error)
-            self.scheduler.finish(request_id)
-        return len(request_ids)
-
-    # recovery (cp_router/recovery.py) ---------------------------------------------------------------
-    def _lock(self) -> asyncio.Lock:
-        if self._group_lock is None:
-            self._group_lock = asyncio.Lock()
-        return self._group_lock
-
-    async def _after_failure(self, error: Exception) -> None:
-        """A step failed: replace lost ranks and resume every request; else the step's own error ends them."""
-        async with self._lock():
-            if lost := await self._lost_ranks():
-                await self._recover(lost, one_line(error))
-                return
-            await self._rejoin_group()  # the group is whole again before the requests hear of the failure
-            self._fail_all(RuntimeError(f"engine step failed: {error!r}"))
-
-    async def _recover_if_lost(self, cause: str) -> None:
-        """The health check found a rank that does not answer: recover now if it is still lost."""
-        async with self._lock():
-            if lost := await self._lost_ranks():
-                await self._recover(lost, cause)
-
-    async def _lost_ranks(self) -> list[int]:
-        return [] if self.repair is None else await self.repair.lost_ranks(self.workers)
-
-    async def _recover(self, lost: list[int], cause: str) -> None:
-        """New workers for the `lost` ranks, then every request requeued (prompt + tokens sent so far)."""
-        clock, self._recovering = RecoveryClock(lost, cause), True
-        try:
-            self.workers = await asyncio.wait_for(self.repair.replace(self.workers, lost), self.recovery_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - no group: every request ends, health checks report it
-            self._group_error = f"rank group could not be rebuilt after losing cp_rank(s) {lost}: {one_line(exc)}"
-            self.recoveries.append(clock.done(0, self._fail_all(EngineUnavailableError(self._group_error)), False))
-            return
-        finally:
-            self._recovering, self._last_progress = False, time.monotonic()
-        self._group_error = None
-        resumed, failed = self._resume_all(f"lost cp_rank(s) {lost}: {cause}")
-        self.recoveries.append(clock.done(resumed, failed, True))
-        self._poke()
-
-    def _resume_all(self, cause: str) -> tuple[int, int]:
-        """Every request back in the queue over its prompt + output so far; one resumed too often ends."""
-        failed = 0
-        admitted = [rid for rid, seq in self.scheduler.requests.items() if seq.status != WAITING or seq.output_ids]
-        self.scheduler.restart_all()
-        for request_id in admitted:
-            seq = self.scheduler.requests[request_id]
-            seq.num_resumes += 1
-            if seq.num_resumes > self.max_resumes:
-                if (stream := self.streams.pop(request_id, None)) is not None:
-                    stream.fail(EngineUnavailableError(
-                        f"request {request_id} lost its ranks {seq.num_resumes} times (last: {cause}); not resumed"))
-                self.scheduler.finish(request_id)
-                failed += 1
-        return len(admitted) - failed, failed
 
 
 async def pass_on_first_tokens(turns: int = 8) -> None:

@@ -2,8 +2,9 @@
 
 Steps run in lockstep: every rank that has work receives one `StepPlan` holding its shard of the prefill batch
 (if any) and its own decode batch (requests it owns). The scheduler owns the KV pages: every plan carries the
-page tables the rank writes into, so a rank never allocates. Heavy tensors (KV, hidden states) never travel in
-these objects; they move over the process group inside the workers.
+page tables the rank writes into, so a rank never allocates. Heavy tensors (KV, hidden states) travel in these
+objects only as a prefill/decode hand-off (cp_router/handoff.py); within a group they move over the process group
+inside the workers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cp_router.cp.metadata import RankMetadata
+from cp_router.handoff import ImportItem, RequestHandoff
 from cp_router.sampling import FinishReason, SamplingParams
 from cp_router.cp.wire import TensorsAsNumpy
 
@@ -38,6 +40,9 @@ class PrefillRequest:
     # Prefix caching, a family with bounded per-request state (DeepSeek-V4): this chunk ends on a hit boundary;
     # every rank that runs it keeps a copy of the request's state there, under the page ending there.
     snapshot_state: bool = False
+    # Prefill/decode disaggregation: after its final chunk the owner hands the request off (StepResult.handoffs)
+    # instead of keeping it for decode.
+    handoff: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class StepPlan:
     # and whether the group decodes this step (a rank without requests of its own joins with zero rows).
     group_prefill_rows: tuple[int, ...] = ()
     group_decode: bool = False
+    imports: tuple[ImportItem, ...] = ()  # hand-offs written here before the decode batch (disaggregation)
 
 
 @dataclass
@@ -119,3 +125,4 @@ class StepResult:
     decode_steps: dict[str, int] = field(default_factory=dict)  # decode steps run: plain / speculative
     grammar_mask_s: float = 0.0  # structured outputs: seconds spent computing grammar masks, and how many
     grammar_masks: int = 0
+    handoffs: dict[str, RequestHandoff] = field(default_factory=dict)  # prefilled requests handed off (owner)

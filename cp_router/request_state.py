@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from cp_router.sampling import SamplingParams
 
 WAITING, PREFILLING, DECODING = "waiting", "prefilling", "decoding"
+# Prefill/decode disaggregation, decode side (cp_router/scheduler_handoff.py): waiting for room, holding its pages
+# until the prefill group's hand-off arrives, and delivered (imported with its first decode step).
+RESERVING, RESERVED, IMPORTING = "reserving", "reserved", "importing"
 
 
 @dataclass
@@ -33,6 +36,8 @@ class RequestState:
     # first prefill found cached (None: not looked up yet).
     page_keys: list[bytes] = field(default_factory=list)
     cached_tokens: int | None = None
+    handoff: bool = False  # disaggregation, prefill side: handed off after its prefill instead of decoded here
+    delivered: object = None  # disaggregation, decode side: the RequestHandoff to import (status IMPORTING)
 
     def context_ids(self) -> list[int]:
         """What prefill runs over: the prompt, plus earlier output but the last token when recomputing (that one

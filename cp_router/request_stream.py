@@ -7,6 +7,7 @@ import asyncio
 import random
 
 from cp_router.detokenize import IncrementalText
+from cp_router.handoff import HandoffTicket, RequestHandoff
 from cp_router.protocol import EngineChunk, EngineRequest, TokenLogprob
 from cp_router.sampling import SamplingParams
 
@@ -36,7 +37,7 @@ class RequestStream:
         self.request = request
         self.text = IncrementalText(tokenizer, tuple(request.stop), request.skip_special_tokens,
                                     request.include_stop_str_in_output)
-        self.queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[EngineChunk | HandoffTicket | BaseException] = asyncio.Queue()
         self.completion_tokens = 0
         self.cached_tokens = 0  # set by the engine once its first prefill was scheduled (prefix caching)
         self.finished = False
@@ -65,6 +66,18 @@ class RequestStream:
         ))
         self.finished = finish_reason is not None
         return finish_reason
+
+    def hand_off(self, handoff: RequestHandoff, output_ids: list[int]) -> None:
+        """Disaggregation, prefill side: the stream ends with the ticket a decode group goes on from."""
+        self.queue.put_nowait(HandoffTicket(handoff, tuple(output_ids), self.text.released, self.cached_tokens))
+        self.finished = True
+
+    def resume_after(self, ticket: HandoffTicket) -> None:
+        """Disaggregation, decode side: the tokens and text the prefill group streamed count as sent already."""
+        for token in ticket.output_ids:
+            self.text.add(token)
+        self.text.released = ticket.text_released
+        self.completion_tokens, self.cached_tokens = len(ticket.output_ids), ticket.cached_tokens
 
     def _shows(self, finish_reason: str | None, last: bool) -> bool:
         """Whether a token's text joins the output: not a stop token's (EOS or stop_token_ids, which end the

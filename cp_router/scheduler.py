@@ -27,8 +27,9 @@ from dataclasses import dataclass, field, replace
 from cp_router.pages import PageAllocator, pages_for
 from cp_router.plans import DecodeItem, RequestOutput, StepPlan
 from cp_router.prefix_cache import PrefixStats, register_pages
-from cp_router.request_state import DECODING, PREFILLING, WAITING, RequestState
+from cp_router.request_state import DECODING, PREFILLING, RESERVED, WAITING, RequestState
 from cp_router.sampling import SamplingParams
+from cp_router.scheduler_handoff import admit_reservations, import_items, requeue_reservations, start_imports
 from cp_router.scheduler_prefill import PrefillBatch, build_prefill_batch, plan_prefill_batch
 
 
@@ -62,6 +63,7 @@ class ScheduledStep:
     prefill: PrefillBatch | None = None
     decode_ids: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    reserved: list[str] = field(default_factory=list)  # disaggregation: reservations given their pages this step
 
 
 class Scheduler:
@@ -69,13 +71,15 @@ class Scheduler:
         self.config = config
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[str] = deque()
+        self.reserving: deque[str] = deque()  # disaggregation: waiting for room for a hand-off (scheduler_handoff.py)
         self.allocators = [PageAllocator(config.num_pages) for _ in range(config.cp_size)]
         self.pending_free: dict[int, set[str]] = {r: set() for r in range(config.cp_size)}
         self.prefix_stats = PrefixStats()
         self._arrivals = 0
 
     # requests in and out -------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, handoff: bool = False) -> None:
+        """Queues a request for prefill here; `handoff`: a prefill group's, handed off after its prefill."""
         cfg = self.config
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -86,7 +90,8 @@ class Scheduler:
                 f" {pages_for(worst, cfg.page_size)} KV pages; a rank has {cfg.num_pages}"
             )
         self.requests[request_id] = RequestState(request_id, list(prompt_ids), sampling, self._arrivals,
-                                                 prompt_logprobs=None if sampling.prompt_logprobs is None else [])
+                                                 prompt_logprobs=None if sampling.prompt_logprobs is None else [],
+                                                 handoff=handoff)
         self._arrivals += 1
         self.waiting.append(request_id)
 
@@ -95,29 +100,36 @@ class Scheduler:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return
-        if request_id in self.waiting:
-            self.waiting.remove(request_id)
+        for queue in (self.waiting, self.reserving):
+            if request_id in queue:
+                queue.remove(request_id)
         self._release(seq)
 
     def restart_all(self) -> list[str]:
         """The ranks lost every request's state (a rank was replaced, the group re-formed): every page is free
         again and every request waits, in arrival order, to be prefilled over its prompt plus the tokens it
-        already produced. Returns the requeued ids."""
+        already produced (reserved hand-offs wait for room again). Returns the requeued ids."""
+        requeue_reservations(self)
+        reserving = set(self.reserving)
         for seq in self.requests.values():
-            seq.reset_for_recompute()
+            if seq.request_id not in reserving:
+                seq.reset_for_recompute()
         self.allocators = [PageAllocator(self.config.num_pages) for _ in range(self.config.cp_size)]
         self.pending_free = {r: set() for r in range(self.config.cp_size)}
-        self.waiting = deque(sorted(self.requests, key=lambda rid: self.requests[rid].arrival))
+        self.waiting = deque(sorted((rid for rid in self.requests if rid not in reserving),
+                                    key=lambda rid: self.requests[rid].arrival))
         return list(self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.requests) or any(self.pending_free.values())
+        """Anything to run or free (a reserved request waiting for its hand-off is not)."""
+        return any(s.status != RESERVED or s.delivered is not None for s in self.requests.values()) \
+            or any(self.pending_free.values())
 
     def free_pages(self) -> list[int]:
         return [allocator.num_free for allocator in self.allocators]
 
     def num_running(self) -> int:
-        return len(self.requests) - len(self.waiting)
+        return len(self.requests) - len(self.waiting) - len(self.reserving)
 
     def flush_prefix_cache(self) -> int:
         """Empties every rank's prefix cache (pages in use stay with their requests); returns the pages unindexed."""
@@ -143,11 +155,13 @@ class Scheduler:
     # one step -----------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         cfg = self.config
-        decoding = [s for s in self.requests.values() if s.status == DECODING]
+        reserved, started = admit_reservations(self), start_imports(self)
+        decoding = [s for s in self.requests.values() if s.status == DECODING and not s.handoff]
         prefill_waits = bool(self.waiting) or any(s.status == PREFILLING for s in self.requests.values())
         num_steps = 1 if prefill_waits else cfg.max_steps_per_call
         preempted = self._fit_decode(decoding)
         decoding = [s for s in decoding if s.status == DECODING]
+        imports = import_items(started)
         if not self._decode_fits(decoding, num_steps):
             num_steps = 1
         for seq in decoding:  # room for every token the call may write (speculation: k + 1 per step)
@@ -163,6 +177,8 @@ class Scheduler:
                                       time_prefill_phases=cfg.time_prefill_phases)
         if cfg.expert_parallel and (shards or decoding):
             plans = self._lockstep_plans(plans, shards, bool(decoding), num_steps)
+        for cp_rank, items in imports.items():
+            plans[cp_rank] = replace(plans[cp_rank], imports=tuple(items))
         for cp_rank, request_ids in self.pending_free.items():
             if request_ids:
                 plans[cp_rank] = replace(plans.get(cp_rank, StepPlan()), free=tuple(sorted(request_ids)))
@@ -170,7 +186,7 @@ class Scheduler:
         for cp_rank, allocator in enumerate(self.allocators):
             if dropped := allocator.take_dropped_snapshots():
                 plans[cp_rank] = replace(plans.get(cp_rank, StepPlan()), drop_snapshots=tuple(dropped))
-        return ScheduledStep(plans, batch, [s.request_id for s in decoding], preempted)
+        return ScheduledStep(plans, batch, [s.request_id for s in decoding], preempted, reserved)
 
     def _lockstep_plans(self, plans: dict[int, StepPlan], shards: dict, decoding: bool,
                         num_steps: int) -> dict[int, StepPlan]:
@@ -204,7 +220,8 @@ class Scheduler:
         preempted = []
         for cp_rank in range(self.config.cp_size):
             while self._decode_need(decoding, cp_rank, 1) > self.allocators[cp_rank].num_free:
-                victim = max((s for s in self.requests.values() if s.pages.get(cp_rank)), key=lambda s: s.arrival)
+                victim = max((s for s in self.requests.values() if s.pages.get(cp_rank) and s.status != RESERVED),
+                             key=lambda s: s.arrival)
                 self._release(victim)
                 victim.reset_for_recompute()
                 victim.num_preemptions += 1

@@ -208,7 +208,8 @@ def _shards(scheduler, pieces: tuple[Piece, ...], owners: tuple[int, ...],
         history = tuple(context) if piece.final and (seq.sampling.needs_history or replays) else ()
         requests.append(PrefillRequest(seq.request_id, owner, seq.sampling, piece.final, seq.num_generated_at_prefill,
                                        history, seq.wants_prompt_logprobs(),
-                                       seq.resume_token() if piece.final else None, piece.snapshot))
+                                       seq.resume_token() if piece.final else None, piece.snapshot,
+                                       seq.handoff))
         chunks.append(context[piece.prefix_len : end])
         next_after.append(None if piece.final else context[end])
     lens, prefixes = [p.extend_len for p in pieces], [p.prefix_len for p in pieces]

@@ -30,6 +30,7 @@ from model_workers.grammar.rank_grammars import RankGrammars
 from model_workers.grammar.request_grammar import MASK_CLOCK
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
 from model_workers.kernels.registry import kernel_set
+from model_workers.kv_handoff import export_handoff, import_handoff
 from model_workers.host_memory import bound_onednn_caches, keep_large_allocations_on_heap, release_free_heap
 from model_workers.page_table import PageTable
 from model_workers.load_progress import LoadProgress
@@ -37,6 +38,7 @@ from model_workers.kernels.torch.batch_invariant import BatchInvariantMode
 from model_workers.kernels.torch.cpu_prepack import prepack_linear_weights
 from model_workers.models.common.draft_dtype import draft_dtype
 from model_workers.phase_clock import PhaseClock
+from model_workers.plan_checks import plan_has_collectives, plan_is_idle, plan_problem
 from model_workers.precision import compute_dtype, set_draft_precision, storage_dtype
 from model_workers.runner import ModelRunner
 from model_workers.spec import RankSpec
@@ -128,7 +130,7 @@ class CPWorker:
         intact. An error later in the step breaks the group first, so peers fail too instead of waiting."""
         self.free(list(plan.free))
         self.runner.cache.drop_snapshots(plan.drop_snapshots)  # their pages were evicted (prefix caching)
-        problem = self._plan_problem(plan)
+        problem = self._import(plan.imports) or plan_problem(plan, self.runner.cache, self.held)
         if plan_has_collectives(plan):
             rejected = [r for r, (bad,) in enumerate(self._vote(problem is not None)) if bad]
             if rejected and problem is None:
@@ -166,6 +168,7 @@ class CPWorker:
                                                     with_draft))
             if clock is not None:
                 result.prefill_phase_s = clock.split(time.perf_counter() - start, self.comm.stats.seconds)
+            result.handoffs = self._hand_off(plan.prefill, result.outputs)
         elif plan.group_prefill_rows:
             self._join_prefill(plan.group_prefill_rows, with_draft)
         if plan.decode or plan.group_decode:
@@ -189,23 +192,29 @@ class CPWorker:
             self.prefilling.discard(request_id)  # preempted or aborted between two prefill chunks
             self.runner.cache.release(request_id)  # DeepSeek-V4: its per-request state
 
-    def _plan_problem(self, plan: StepPlan) -> str | None:
-        """What makes `plan` impossible on this rank (pages too few or outside the cache, a decode of a request
-        this rank does not hold), or None."""
-        cache = self.runner.cache
-        try:
-            if plan.prefill is not None:
-                meta = plan.prefill.meta
-                for pages, prefix, extend in zip(plan.prefill.page_tables, meta.prefix_lens, meta.extend_lens):
-                    cache.check_room(PageTable(list(pages), prefix), prefix + extend)
-            growth = plan.num_steps * (plan.num_speculative_steps + 1)  # what the scheduler grew pages for
-            for item in plan.decode:
-                if item.request_id not in self.held:
-                    raise KeyError(f"decode of request {item.request_id!r}, which this rank does not hold")
-                cache.check_room(PageTable(list(item.pages), item.num_cached), item.num_cached + growth)
-        except (KeyError, ValueError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+    def _import(self, items) -> str | None:
+        """Disaggregation: hand-offs from a prefill group written into this rank's pages, held from now on; what
+        made one impossible, or None."""
+        for item in items:
+            grammars = self.grammars.cache_for((item,)) if item.sampling.grammar is not None else None
+            try:
+                self.held[item.handoff.request_id] = import_handoff(
+                    self.runner.cache, item, grammars, self.runner.model.config.eos_token_ids, self.device)
+            except ValueError as exc:
+                return f"ValueError: {exc}"
         return None
+
+    def _hand_off(self, shard: PrefillShard, outputs: dict[str, RequestOutput]) -> dict:
+        """Disaggregation: the prefilled requests this rank owns that go on elsewhere, read out and dropped here
+        (their pages stay with the scheduler, which frees or caches them)."""
+        handoffs, meta = {}, shard.meta
+        for s, (req, pages) in enumerate(zip(shard.requests, shard.page_tables)):
+            rid = req.request_id
+            if req.handoff and rid in self.held and outputs[rid].finish_reason is None:
+                table = PageTable(list(pages), meta.prefix_lens[s] + meta.extend_lens[s], rid)
+                handoffs[rid] = export_handoff(self.runner.cache, table, self.held.pop(rid), self.runner.page_size)
+                self.runner.cache.release(rid)
+        return handoffs
 
     def ping(self) -> int:
         """The health probe: answers with this worker's cp_rank."""
@@ -288,13 +297,3 @@ class CPWorker:
         ]
         return run_decode(self.runner, states, plan.num_steps, plan.num_speculative_steps, plan.return_logits, clock)
 
-
-def plan_is_idle(plan: StepPlan) -> bool:
-    """A step that runs no forward on this rank (it only frees requests' state)."""
-    return plan.prefill is None and not plan.decode and not plan.group_prefill_rows and not plan.group_decode
-
-
-def plan_has_collectives(plan: StepPlan) -> bool:
-    """A step this rank runs with others: a CP prefill, or any forward under expert parallelism."""
-    cp_prefill = plan.prefill is not None and plan.prefill.meta.cp_size > 1
-    return cp_prefill or bool(plan.group_prefill_rows) or plan.group_decode

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from cp_router.plans import DecodeItem, StepPlan
-from model_workers.cp_worker import plan_is_idle
+from model_workers.plan_checks import plan_is_idle
 from model_workers.host_memory import MALLOC_VARIABLES, ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES
 
 MALLINFO = """

@@ -19,6 +19,15 @@ def position_slots(table: PageTable, positions: torch.Tensor, page_size: int) ->
     return torch.where(positions >= 0, pages * page_size + valid % page_size, -1)
 
 
+def slot_positions(table: PageTable, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The inverse of `position_slots`: cache slots [n] of `table`'s pages (-1 = none) -> key positions [n]."""
+    index_of_page = torch.full((max(table.pages) + 1,), -1, dtype=torch.long)
+    index_of_page[torch.tensor(table.pages, dtype=torch.long)] = torch.arange(len(table.pages))
+    valid = slots.clamp_min(0)
+    positions = index_of_page[valid // page_size] * page_size + valid % page_size
+    return torch.where(slots >= 0, positions, -1)
+
+
 def reuse_rows(kept: list[torch.Tensor], tables: list[PageTable], starts: list[int], end_offset: int,
                page_size: int) -> torch.Tensor:
     """Per request: its kept slots plus the slots of positions start..start+end_offset -> [B, width], -1 padded."""

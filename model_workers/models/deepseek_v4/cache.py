@@ -80,7 +80,7 @@ class V4Cache:
         if num_pages <= 0:
             raise ValueError(f"num_pages={num_pages}: must be positive")
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
-        self.num_mtp_layers, self.dtype = num_mtp_layers, dtype
+        self.num_mtp_layers, self.dtype, self.device = num_mtp_layers, dtype, torch.device(device)
         self.states: dict = {}  # state key -> {(layer_id, name): RowsTail | CompressedState}
         self.snapshots: dict[int, dict] = {}  # page -> a request's state at that page's end (prefix caching)
         self.entries: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "compressor" | "indexer") -> rows
@@ -147,6 +147,19 @@ class V4Cache:
         self.states.clear()
         self.snapshots.clear()
 
+    def page_stores(self) -> list[tuple[torch.Tensor, int]]:
+        """Every paged store (the compressed entries and indexer keys) with its rows per page."""
+        return [(store, max(1, self.page_size // self.config.compress_rate(layer_id)))
+                for (layer_id, _), store in self.entries.items()]
+
+    def export_state(self, key) -> dict:
+        """A copy of the bounded state kept under `key` (window tails, open compressor windows): a hand-off."""
+        return copy_state(self.states.get(key, {}), "cpu")
+
+    def import_state(self, key, state: dict) -> None:
+        """Files `state` (from `export_state` on another rank) as the state of `key`."""
+        self.states[key] = copy_state(state, self.device)
+
     def rows(self, table: PageTable) -> dict[str, list[torch.Tensor | None]]:
         """What the request keeps for positions 0..num_tokens-1, per layer (MTP layers last in `window`): the
         window's K = V rows of its last W - 1 positions, the compressed entries and the CSA indexer keys (None
@@ -194,12 +207,13 @@ def state_key(table: PageTable):
     return table.state_key if table.state_key is not None else table.pages[0]
 
 
-def copy_state(state: dict) -> dict:
-    """A copy of a request's state that later forwards of either may change without touching the other."""
+def copy_state(state: dict, device: torch.device | str | None = None) -> dict:
+    """A copy of a request's state that later forwards of either may change without touching the other (on
+    `device`, else where it is)."""
     out = {}
     for name, kept in state.items():
         tail = kept if isinstance(kept, RowsTail) else kept.rows
-        copied = RowsTail(tail.start, None if tail.rows is None else tail.rows.clone())
+        copied = RowsTail(tail.start, None if tail.rows is None else tail.rows.to(device, copy=True))
         out[name] = copied if isinstance(kept, RowsTail) else CompressedState(copied)
     return out
 

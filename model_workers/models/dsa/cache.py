@@ -62,6 +62,16 @@ class PagedKVCache:
     def clear_states(self) -> None:
         """No per-request state is kept."""
 
+    def page_stores(self) -> list[tuple[torch.Tensor, int]]:
+        """Every paged store with its rows per page (a prefill/decode hand-off copies a request's pages of each)."""
+        return [(t, self.page_size) for t in self.latent + self.index_keys if t is not None]
+
+    def export_state(self, key) -> None:
+        """No per-request state besides the pages."""
+
+    def import_state(self, key, state) -> None:
+        """No per-request state besides the pages."""
+
     def encode(self, latent: torch.Tensor, index_key: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Computed keys latent [T, C + R], index_key [T, D_idx] or None -> their stored rows (quantized under FP8)."""
         return self.latent_format.encode(latent), None if index_key is None else self.index_format.encode(index_key)
