@@ -21,6 +21,9 @@ from model_workers.checkpoint.model_dir import as_model_spec, read_model_spec
 from model_workers.checkpoint.tokenizer import CheckpointText, load_checkpoint_text
 from model_workers.spec import ModelSpec
 
+# Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
+QUIET = {"enable_access_log": False}
+
 
 def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
     """One bundle for the engine replica, then one per CP rank worker."""

@@ -48,10 +48,12 @@ from cluster.engine_channel import ChannelHost
 from cluster.engine_router import EngineRouter
 from cluster.http_api.ingress import build_app
 from cluster.http_api.utility_routes import RequestIdMiddleware
-from cluster.replica_engine import engine_bundles, replica_text, serve_engine_spec, start_replica_engine
+from cluster.pd_app import PREFILL_MAX_ONGOING, DSAPrefill, PrefillHandleClient
+from cluster.replica_engine import QUIET, engine_bundles, replica_text, serve_engine_spec, start_replica_engine
 from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import IngressSettings, ServeAppArgs
 from cp_router.console_log import configure_console_logging
+from cp_router.disaggregated import DisaggregatedEngine
 from cp_router.protocol import EngineRequest, ModelInfo
 from model_workers.checkpoint.model_dir import resolve_model_dir
 
@@ -59,8 +61,6 @@ APP_NAME = "dsa-serve"
 ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT = "DSAEngine", "DSAIngress", "DSAServer"
 
 
-# Serve's own per-call log lines are off: the ingress logs one line per HTTP request (dsa_serve.access).
-QUIET = {"enable_access_log": False}
 # HTTP replicas run their app (colocated: and the step loop) on their main event loop, not a thread of Serve's
 # own, and the ingress's engine handle routes on that loop too. 2-core bench VM, HTTP / in-process: colocated 32
 # streams 0.79x -> 0.89x; the ingress's router there: TTFT at one stream 1.22x against 1.34x (mean of A/B runs,
@@ -75,12 +75,15 @@ ENGINE_MAX_ONGOING = 4096  # engine streams in flight per replica: each HTTP req
 
 @serve.deployment(name=ENGINE_DEPLOYMENT, logging_config=QUIET)
 class DSAEngine:
-    """One CP group and the `GenerationEngine` driving it."""
+    """One CP group and the `GenerationEngine` driving it; disaggregated (`prefill` given), a decode group whose
+    requests are prefilled by DSAPrefill replicas (cp_router/disaggregated.py)."""
 
-    def __init__(self, args: ServeAppArgs):
+    def __init__(self, args: ServeAppArgs, prefill: DeploymentHandle | None = None):
         configure_console_logging()  # the engine's lines (recoveries, progress) reach the server's output
         spec = serve_engine_spec(args)  # config.json read once in this process
         self.engine = start_replica_engine(spec, ENGINE_DEPLOYMENT, args, replica_text(spec, args))
+        if prefill is not None:
+            self.engine = DisaggregatedEngine(self.engine, PrefillHandleClient(prefill), args.pd_min_prefill_tokens)
         self.channels = ChannelHost(serve.get_replica_context().replica_id.unique_id)
         logging.getLogger("dsa_serve.engine").info("engine replica %s ready (pid %d)", self.channels.replica_id,
                                                    os.getpid())
@@ -260,10 +263,17 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
                                  placement_group_strategy=args.placement_strategy,
                                  ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS,
                                  max_ongoing_requests=ingress_cap, **replicas, **drain).bind(args)
-    engine = DSAEngine.options(placement_group_bundles=engine_bundles(args),
+    engine_args, prefill = args, ()
+    if args.pd_disaggregation:  # DSAEngine replicas are decode groups, DSAPrefill replicas prefill for them
+        engine_args, prefill_args = args.group_args("decode"), args.group_args("prefill")
+        prefill = (DSAPrefill.options(placement_group_bundles=engine_bundles(prefill_args),
+                                      placement_group_strategy=args.placement_strategy,
+                                      num_replicas=args.prefill_replicas, max_ongoing_requests=PREFILL_MAX_ONGOING,
+                                      **drain).bind(prefill_args),)
+    engine = DSAEngine.options(placement_group_bundles=engine_bundles(engine_args),
                                placement_group_strategy=args.placement_strategy,
                                request_router_config=engine_router_config(args),
-                               max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(args)
+                               max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(engine_args, *prefill)
     return DSAIngress.options(ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS, max_ongoing_requests=ingress_cap,
                               **drain).bind(engine, args)
 

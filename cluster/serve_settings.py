@@ -118,6 +118,14 @@ class ServeAppArgs(EngineLimits):
     drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, description=(
         "how long requests in flight may run on after a stop (SIGTERM, a Serve redeploy or scale-down): the app "
         "then refuses new ones with 503 + Retry-After; also each deployment's graceful_shutdown_timeout_s"))
+    # Prefill/decode disaggregation (docs/disaggregation.md): DSAPrefill replicas (CP groups of prefill_cp_size
+    # ranks) prefill every prompt and hand it off to a DSAEngine replica (decode_dp_size ranks, DP-attention decode,
+    # EP across them when ep_size > 1), which decodes it. Needs the separate placement.
+    pd_disaggregation: bool = False
+    prefill_cp_size: int | None = Field(None, ge=1)  # None: cp_size
+    decode_dp_size: int = Field(1, ge=1)
+    prefill_replicas: int = Field(1, ge=1)  # DSAPrefill's num_replicas (a config's own num_replicas wins)
+    pd_min_prefill_tokens: int = Field(0, ge=0)  # a shorter prompt is prefilled by its decode group itself
     ingress: IngressSettings = IngressSettings()
 
     @field_validator("speculative_token_map")
@@ -129,6 +137,20 @@ class ServeAppArgs(EngineLimits):
     def _auto_tool_choice_needs_a_parser(self) -> ServeAppArgs:
         check_tool_flags(self.tool_call_parser, self.enable_auto_tool_choice)
         return self
+
+    @model_validator(mode="after")
+    def _disaggregation_needs_the_separate_placement(self) -> ServeAppArgs:
+        if self.pd_disaggregation and self.engine_placement != "separate":
+            raise ValueError("pd_disaggregation (--pd-disaggregation) needs engine_placement separate, got "
+                             f"{self.engine_placement!r}")
+        return self
+
+    def group_args(self, kind: Literal["prefill", "decode"]) -> ServeAppArgs:
+        """What one engine group of a disaggregated app runs with: its own rank count (EP across those ranks when
+        ep_size > 1)."""
+        size = (self.prefill_cp_size or self.cp_size) if kind == "prefill" else self.decode_dp_size
+        return self.model_copy(update={"cp_size": size, "ep_size": size if self.ep_size > 1 else 1,
+                                       "pd_disaggregation": False})
 
     @property
     def prefix_caching_enabled(self) -> bool:

@@ -46,9 +46,13 @@ class DisaggregatedEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         if len(request.prompt_token_ids) < self.min_prefill_tokens:
             self.stats["local_prefills"] += 1
-            async for chunk in self.decode.generate(request):
-                yield chunk
-            return
+            chunks = self.decode.generate(request)
+        else:  # measured here as one request (TTFT, inter-token gaps, latency), as the client sees it
+            chunks = self.decode.monitor.stream(request.request_id, self._handed_off(request))
+        async for chunk in chunks:
+            yield chunk
+
+    async def _handed_off(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         if request.seed is None:
             request = replace(request, seed=random.getrandbits(62))  # what sampling_of would draw, fixed for both
         await self.decode.reserve(request)

@@ -17,8 +17,9 @@ from cp_router.scheduler_handoff import deliver, reserve
 class EngineHandoff:
     async def prefill_handoff(self, request: EngineRequest) -> AsyncIterator[EngineChunk | HandoffTicket]:
         """Prefill group: the request's first chunk, then the `HandoffTicket` a decode group goes on from (no
-        ticket when the first chunk ended the request)."""
-        async for item in self.monitor.stream(request.request_id, self._chunks(request, handoff=True)):
+        ticket when the first chunk ended the request). The request's own metrics (TTFT, latency) are the decode
+        group's, which sees its whole stream."""
+        async for item in self._chunks(request, handoff=True):
             yield item
 
     async def reserve(self, request: EngineRequest) -> None:
@@ -47,7 +48,7 @@ class EngineHandoff:
         stream.resume_after(ticket)
         self.streams[request.request_id] = stream
         self._poke()
-        async for chunk in self.monitor.stream(request.request_id, self._consume(stream)):
+        async for chunk in self._consume(stream):
             yield chunk
 
     def _reserved(self, request_ids: list[str]) -> None:

@@ -236,11 +236,6 @@ async def track_stream(metrics: ServeMetrics, chunks: AsyncIterator[EngineChunk]
     try:
         async for last in chunks:
             now = clock()
-            if not isinstance(last, EngineChunk):  # a prefill group's hand-off ticket: decoding goes on elsewhere
-                finished = True
-                finish("handoff", now)
-                yield last
-                continue
             if last.token_ids:
                 if last_token_at is None:
                     first_token_at = now

@@ -47,14 +47,32 @@ def add_parser(commands) -> None:
                              "replica that was sent its longest prefix unless that one is overloaded, else to the "
                              "least-loaded one; --no-prefix-aware-routing: Serve's power-of-two choice "
                              "(cluster/engine_router.py)")
+    add_disaggregation_arguments(parser)
     drain = ServeAppArgs.model_fields["drain_timeout_s"]
     parser.add_argument("--drain-timeout-s", type=float, default=drain.default, help=drain.description)
     parser.set_defaults(run=run)
 
 
+def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pd-disaggregation", action="store_true",
+                        help="prefill/decode disaggregation: DSAPrefill groups prefill, DSAEngine groups decode "
+                             "(--replicas of them); docs/disaggregation.md")
+    parser.add_argument("--prefill-cp-size", type=int, default=None, help="ranks of a prefill group (default: --cp-size)")
+    parser.add_argument("--decode-dp-size", type=int, default=1, help="ranks of a decode group (DP-attention decode)")
+    parser.add_argument("--prefill-replicas", type=int, default=1, help="prefill groups")
+    parser.add_argument("--decode-replicas", type=int, default=None, help="decode groups (the same as --replicas)")
+    parser.add_argument("--pd-min-prefill-tokens", type=int, default=0,
+                        help="a shorter prompt is prefilled by its decode group itself (no hand-off)")
+
+
+def engine_replicas(args: argparse.Namespace) -> int:
+    """Replicas of the engine deployment: --decode-replicas when given, else --replicas."""
+    return args.decode_replicas if getattr(args, "decode_replicas", None) is not None else args.replicas
+
+
 def check_arguments(args: argparse.Namespace) -> None:
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if engine_replicas(args) < 1:
+        raise ValueError(f"--replicas / --decode-replicas must be >= 1, got {engine_replicas(args)}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
 
@@ -85,6 +103,9 @@ def app_args(args: argparse.Namespace):
     if getattr(args, "drain_timeout_s", None) is not None:  # `serve` has the flag, `bench serve` not
         fields["drain_timeout_s"] = args.drain_timeout_s
     fields["prefix_aware_routing"] = getattr(args, "prefix_aware_routing", True)  # `bench serve`: the default
+    if getattr(args, "pd_disaggregation", False):
+        fields.update(pd_disaggregation=True, prefill_cp_size=args.prefill_cp_size, decode_dp_size=args.decode_dp_size,
+                      prefill_replicas=args.prefill_replicas, pd_min_prefill_tokens=args.pd_min_prefill_tokens)
     ingress = {"api_key": args.api_key, "allowed_origins": origins(getattr(args, "allowed_origins", None)),
                "ray_metrics_export": getattr(args, "ray_metrics_export", True)}  # `bench serve`: on, as the default
     if getattr(args, "port", None) is not None and direct_ingress_on(args):  # `serve`; `bench serve` picks a port
@@ -148,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     from ray import serve
 
-    from cluster.launch import engine_cpus, start_ray
+    from cluster.launch import start_ray
     from cluster.replica_engine import serve_engine_spec
     from cluster.serve_app import APP_NAME, build_application
     from model_workers.checkpoint.tokenizer import read_chat_template
@@ -160,14 +181,14 @@ def run(args: argparse.Namespace) -> int:
     settings = app_args(args)
     model = serve_engine_spec(settings).model  # the flags checked against the model before Ray starts
     read_chat_template(model.path, settings.chat_template, model.config.model_type)  # a bad --chat-template too
-    started = start_ray(1 + args.replicas * engine_cpus(settings.cp_size), args.ray_address, log_to_driver=True)
+    started = start_ray(app_cpus(settings, engine_replicas(args)), args.ray_address, log_to_driver=True)
     try:
         direct = settings.direct_ingress_port is not None
         serve_port = free_port() if direct else args.port  # with direct ingress Serve's proxy is unused by clients
         serve.start(http_options={"host": args.host, "port": serve_port})
-        serve.run(build_application(settings, args.replicas), name=APP_NAME, route_prefix="/")
+        serve.run(build_application(settings, engine_replicas(args)), name=APP_NAME, route_prefix="/")
         via = f" (direct ingress; Serve's proxy on port {serve_port})" if direct else " (through Serve's proxy)"
-        print(f"dsa-serve: serving {model.name} (cp_size={settings.cp_size}, replicas={args.replicas}) on "
+        print(f"dsa-serve: serving {model.name} ({layout(settings, engine_replicas(args))}) on "
               f"http://{args.host}:{args.port}/v1{via}; Ctrl-C stops", flush=True)
         drain(serve, settings, wait_for_stop())
     except KeyboardInterrupt:
@@ -183,6 +204,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 SERVE_SHUTDOWN_WAIT_S = 30.0
+
+
+def app_cpus(settings: ServeAppArgs, replicas: int) -> int:
+    """Logical CPUs of the app: the ingress, and 1 + ranks per engine group (prefill groups too)."""
+    from cluster.launch import engine_cpus
+
+    if not settings.pd_disaggregation:
+        return 1 + replicas * engine_cpus(settings.cp_size)
+    prefill = settings.group_args("prefill").cp_size
+    return 1 + replicas * engine_cpus(settings.decode_dp_size) + settings.prefill_replicas * engine_cpus(prefill)
+
+
+def layout(settings: ServeAppArgs, replicas: int) -> str:
+    if not settings.pd_disaggregation:
+        return f"cp_size={settings.cp_size}, replicas={replicas}"
+    return (f"disaggregated: {settings.prefill_replicas} prefill group(s) of cp_size="
+            f"{settings.group_args('prefill').cp_size}, {replicas} decode group(s) of {settings.decode_dp_size} rank(s)")
 
 
 def stop_serve(serve, wait_s: float | None) -> None:
