@@ -44,6 +44,9 @@ class DSAPrefill:
     async def metrics_text(self) -> str:
         return await self.engine.metrics_text()
 
+    async def flush_cache(self) -> int:
+        return await self.engine.flush_cache()
+
     async def check_health(self) -> None:
         await self.engine.check_health()
 

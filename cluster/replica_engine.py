@@ -26,9 +26,10 @@ QUIET = {"enable_access_log": False}
 
 
 def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
-    """One bundle for the engine replica, then one per CP rank worker."""
+    """One bundle for the engine replica (and one unit of args.node_resource, when set), then one per CP rank worker."""
     rank = {"GPU": 1} if args.device == "cuda" else {"CPU": 1}
-    return [{"CPU": 1}] + [dict(rank) for _ in range(args.cp_size)]
+    replica = {"CPU": 1, **({args.node_resource: 1} if args.node_resource else {})}
+    return [replica] + [dict(rank) for _ in range(args.cp_size)]
 
 
 def engine_options(args: ServeAppArgs, model: ModelSpec | str | Path | None) -> EngineOptions:

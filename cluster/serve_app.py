@@ -185,13 +185,14 @@ class DrainableHTTP:
 class DSAIngress(DrainableHTTP):
     """The FastAPI app of cluster/http_api/ingress.py over a `ServeEngineClient`."""
 
-    def __init__(self, engine: DeploymentHandle, args: ServeAppArgs):
-        self.engine, self.args = engine, args
+    def __init__(self, engine: DeploymentHandle, args: ServeAppArgs, prefill: DeploymentHandle | None = None):
+        self.engine, self.args, self.prefill = engine, args, prefill  # prefill: DSAPrefill, disaggregated
         self.settings = ingress_settings(args, resolve_model_dir(args.model))
         configure_console_logging()  # the access log: one INFO line per HTTP request, forwarded by Ray
 
     async def __serve_build_asgi_app__(self):
-        return await self.serve_app(build_app(await ServeEngineClient.connect(self.engine), self.settings))
+        return await self.serve_app(build_app(await ServeEngineClient.connect(self.engine, self.prefill),
+                                                self.settings))
 
     def check_health(self) -> None:
         self.check_direct_ingress()
@@ -275,7 +276,7 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
                                request_router_config=engine_router_config(args),
                                max_ongoing_requests=ENGINE_MAX_ONGOING, **replicas, **drain).bind(engine_args, *prefill)
     return DSAIngress.options(ray_actor_options=HTTP_REPLICA_ACTOR_OPTIONS, max_ongoing_requests=ingress_cap,
-                              **drain).bind(engine, args)
+                              **drain).bind(engine, args, *prefill)
 
 
 def app(args: dict[str, Any]) -> Application:

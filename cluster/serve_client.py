@@ -43,8 +43,11 @@ RETRY_BACKOFF_S = 0.5  # times the attempt: Serve's router learns of a dead repl
 
 
 class ServeEngineClient:
-    def __init__(self, handle: DeploymentHandle, info: ModelInfo):
+    def __init__(self, handle: DeploymentHandle, info: ModelInfo, prefill: DeploymentHandle | None = None):
+        """`prefill`: a disaggregated app's DSAPrefill deployment, asked with the engines for metrics, health and
+        cache flushes (requests reach it through the engines)."""
         self.handle, self.info = handle, info
+        self.broadcast_handles = (handle,) if prefill is None else (handle, prefill)
         self.streams: dict[str, DeploymentResponseGenerator] = {}
 
     @cached_property
@@ -58,8 +61,16 @@ class ServeEngineClient:
         return ChannelInbox(self.stream_handle)
 
     @classmethod
-    async def connect(cls, handle: DeploymentHandle) -> ServeEngineClient:
-        return cls(handle, await handle.model_info.remote())
+    async def connect(cls, handle: DeploymentHandle, prefill: DeploymentHandle | None = None) -> ServeEngineClient:
+        return cls(handle, await handle.model_info.remote(), prefill)
+
+    async def _broadcast(self, method: str) -> list:
+        """`method`'s result (or exception) from every replica of every deployment asked."""
+        results = []
+        for handle in self.broadcast_handles:
+            results += await handle.broadcast(method).results_async(timeout_s=BROADCAST_TIMEOUT_S,
+                                                                    return_exceptions=True)
+        return results
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """The replica's chunks; a replica that dies before the first chunk is retried on another."""
@@ -118,8 +129,7 @@ class ServeEngineClient:
     async def metrics_text(self) -> str:
         """Every engine replica's metrics, merged; raises `MetricsScrapeError` (holding the merge of those that
         answered) when some did not answer, one line per failure."""
-        results = await self.handle.broadcast("metrics_text").results_async(timeout_s=BROADCAST_TIMEOUT_S,
-                                                                             return_exceptions=True)
+        results = await self._broadcast("metrics_text")
         failures = [one_line(result) for result in results if isinstance(result, BaseException)]
         text = merge_metrics_text(result for result in results if not isinstance(result, BaseException))
         if failures:
@@ -129,8 +139,7 @@ class ServeEngineClient:
     async def flush_cache(self) -> int:
         """Empties every engine replica's prefix cache; returns the pages they indexed. Raises one line per
         replica that did not answer."""
-        results = await self.handle.broadcast("flush_cache").results_async(timeout_s=BROADCAST_TIMEOUT_S,
-                                                                            return_exceptions=True)
+        results = await self._broadcast("flush_cache")
         failures = [one_line(result) for result in results if isinstance(result, BaseException)]
         if failures:
             raise RuntimeError("; ".join(failures))
@@ -139,8 +148,7 @@ class ServeEngineClient:
     async def check_health(self) -> None:
         """Raises one line per failing replica (the replica's own error, without Ray's remote traceback)."""
         try:
-            results = await self.handle.broadcast("check_health").results_async(timeout_s=BROADCAST_TIMEOUT_S,
-                                                                                 return_exceptions=True)
+            results = await self._broadcast("check_health")
         except Exception as exc:  # noqa: BLE001 - no replica could be asked (none running, or the call failed)
             raise RuntimeError(f"engine replicas unreachable: {one_line(exc)}") from None
         failures = [one_line(result) for result in results if isinstance(result, BaseException)]

@@ -102,6 +102,9 @@ class ServeAppArgs(EngineLimits):
     disable_radix_cache: bool = False
     device: DeviceName = "cpu"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # A custom Ray resource (a worker group's rayStartParams `resources`) each engine replica's placement takes one
+    # unit of: which nodes may hold its group. None: any node with the CPUs / GPUs.
+    node_resource: str | None = Field(None, min_length=1)
     # "separate": DSAIngress replicas in front of DSAEngine replicas (scaled independently; every token
     # chunk crosses one more Ray stream). "colocated": one DSAServer deployment whose replica is both the
     # HTTP app and the engine (one process less per chunk; scale by replicas of the whole server).
@@ -126,6 +129,8 @@ class ServeAppArgs(EngineLimits):
     decode_dp_size: int = Field(1, ge=1)
     prefill_replicas: int = Field(1, ge=1)  # DSAPrefill's num_replicas (a config's own num_replicas wins)
     pd_min_prefill_tokens: int = Field(0, ge=0)  # a shorter prompt is prefilled by its decode group itself
+    prefill_node_resource: str | None = Field(None, min_length=1)  # node_resource of the prefill groups
+    decode_node_resource: str | None = Field(None, min_length=1)  # node_resource of the decode groups
     ingress: IngressSettings = IngressSettings()
 
     @field_validator("speculative_token_map")
@@ -148,9 +153,11 @@ class ServeAppArgs(EngineLimits):
     def group_args(self, kind: Literal["prefill", "decode"]) -> ServeAppArgs:
         """What one engine group of a disaggregated app runs with: its own rank count (EP across those ranks when
         ep_size > 1)."""
-        size = (self.prefill_cp_size or self.cp_size) if kind == "prefill" else self.decode_dp_size
+        prefill = kind == "prefill"
+        size = (self.prefill_cp_size or self.cp_size) if prefill else self.decode_dp_size
+        resource = (self.prefill_node_resource if prefill else self.decode_node_resource) or self.node_resource
         return self.model_copy(update={"cp_size": size, "ep_size": size if self.ep_size > 1 else 1,
-                                       "pd_disaggregation": False})
+                                       "pd_disaggregation": False, "node_resource": resource})
 
     @property
     def prefix_caching_enabled(self) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import replace
 from typing import AsyncIterator, Protocol
 
@@ -57,7 +58,7 @@ class DisaggregatedEngine:
             request = replace(request, seed=random.getrandbits(62))  # what sampling_of would draw, fixed for both
         await self.decode.reserve(request)
         try:
-            first, ticket = await self._prefill_with_retry(request)
+            first, ticket, transfer_s, retries = await self._prefill_with_retry(request)
         except BaseException:
             await self.decode.abort(request.request_id)  # its reservation
             raise
@@ -68,14 +69,18 @@ class DisaggregatedEngine:
             return
         self.stats["handoffs"] += 1
         self.stats["handoff_bytes"] += ticket.handoff.nbytes
+        if (metrics := getattr(self.decode, "metrics", None)) is not None:
+            metrics.observe_handoff(ticket.handoff.nbytes, transfer_s, retries)
         async for chunk in self.decode.decode_handoff(request, ticket):
             yield chunk
 
-    async def _prefill_with_retry(self, request: EngineRequest) -> tuple[list[EngineChunk], HandoffTicket | None]:
+    async def _prefill_with_retry(self, request: EngineRequest) -> tuple[list[EngineChunk], HandoffTicket | None,
+                                                                          float, int]:
+        """`_prefill_once`'s result and how many attempts failed before it."""
         errors = []
         for attempt in range(self.attempts):
             try:
-                return await self._prefill_once(request)
+                return *await self._prefill_once(request), attempt
             except (PrefillFailed, EngineUnavailableError, asyncio.TimeoutError) as exc:
                 errors.append(one_line(exc))
             except Exception as exc:  # noqa: BLE001 - a replica or rank died under the call: try once more
@@ -86,9 +91,11 @@ class DisaggregatedEngine:
         raise EngineUnavailableError(f"request {request.request_id}: no prefill group handed it off "
                                      f"({'; then '.join(errors)})")
 
-    async def _prefill_once(self, request: EngineRequest) -> tuple[list[EngineChunk], HandoffTicket | None]:
-        """The prefill group's chunks (held until its hand-off: nothing is streamed from an attempt that fails)."""
+    async def _prefill_once(self, request: EngineRequest) -> tuple[list[EngineChunk], HandoffTicket | None, float]:
+        """The prefill group's chunks (held until its hand-off: nothing is streamed from an attempt that fails),
+        its hand-off, and the seconds from its first chunk to the hand-off (the transfer)."""
         chunks: list[EngineChunk] = []
+        first_at = 0.0
         stream = self.prefill.prefill_handoff(request)
         try:
             while True:
@@ -98,10 +105,11 @@ class DisaggregatedEngine:
                 except StopAsyncIteration:
                     break
                 if isinstance(item, HandoffTicket):
-                    return chunks, item
+                    return chunks, item, time.perf_counter() - first_at
                 chunks.append(item)
+                first_at = first_at or time.perf_counter()
                 if item.finish_reason is not None:
-                    return chunks, None
+                    return chunks, None, 0.0
         finally:
             if hasattr(stream, "aclose"):
                 await stream.aclose()

@@ -52,7 +52,8 @@ class EngineMonitor:
         if self.metrics is None:
             return
         total = self.scheduler.config.num_pages
-        self.metrics.set_requests(self.scheduler.num_running(), len(self.scheduler.waiting))
+        self.metrics.set_requests(self.scheduler.num_running(), len(self.scheduler.waiting),
+                                  len(self.scheduler.reserving))
         for cp_rank, free in enumerate(self.scheduler.free_pages()):
             self.metrics.set_kv_pages(cp_rank, total - free, total)
         for cp_rank, cached in enumerate(self.scheduler.cached_pages()):

@@ -83,6 +83,12 @@ METRIC_SPECS = {spec.name: spec for spec in (
                ("constraint_type",)),
     MetricSpec(Histogram, "grammar_compile_seconds", "Compile time of a distinct constraint (the ingress's)", (),
                GRAMMAR_BUCKETS),
+    # prefill/decode disaggregation, on the decode group's replicas (docs/disaggregation.md)
+    MetricSpec(Counter, "pd_handoffs", "Requests handed from a prefill group to this decode group"),
+    MetricSpec(Counter, "pd_handoff_bytes", "KV page bytes handed from prefill groups to this decode group"),
+    MetricSpec(Histogram, "pd_handoff_seconds", "Transfer of a hand-off: first chunk to its arrival", (), GRAMMAR_BUCKETS),
+    MetricSpec(Counter, "pd_prefill_retries", "Prefills tried again on a prefill group after one failed"),
+    MetricSpec(Gauge, "pd_requests_waiting_for_decode_slot", "Requests waiting for KV room here before their prefill"),
     MetricSpec(Histogram, "grammar_mask_seconds", "Grammar mask time of one engine step with constrained requests "
                "(the slowest rank)", (), GRAMMAR_BUCKETS),
 )}
@@ -169,9 +175,16 @@ class ServeMetrics:
     def count_scrape_errors(self, replicas: int) -> None:
         self._record("metrics_scrape_errors", replicas)
 
-    def set_requests(self, running: int, waiting: int) -> None:
+    def set_requests(self, running: int, waiting: int, reserving: int = 0) -> None:
         self._record("num_requests_running", running)
         self._record("num_requests_waiting", waiting)
+        self._record("pd_requests_waiting_for_decode_slot", reserving)
+
+    def observe_handoff(self, nbytes: int, seconds: float, retries: int) -> None:
+        """A hand-off arrived: its page bytes, its transfer time, and the prefill attempts that failed before it."""
+        for name, value in (("pd_handoffs", 1), ("pd_handoff_bytes", nbytes), ("pd_handoff_seconds", seconds),
+                            ("pd_prefill_retries", retries)):
+            self._record(name, value)
 
     def set_kv_pages(self, cp_rank: int, used: int, total: int) -> None:
         self._record("kv_pages_used", used, str(cp_rank))

@@ -38,7 +38,7 @@ def check_serve_config(config: dict) -> tuple[ServeDeploySchema, ServeAppArgs]:
     assert app.import_path == APP_IMPORT_PATH
     args = ServeAppArgs.model_validate(app.args)
     deployments = {deployment.name: deployment for deployment in app.deployments}
-    assert set(deployments) == DEPLOYMENT_NAMES
+    assert set(deployments) == DEPLOYMENT_NAMES | ({"DSAPrefill"} if args.pd_disaggregation else set())
     # Serve's own queue in front of the ingress must not fill before the app's 429 limit does.
     assert deployments["DSAIngress"].max_ongoing_requests > args.ingress.max_ongoing_requests
     for options in config["applications"][0]["deployments"]:
@@ -86,6 +86,25 @@ def crd_validator():
 @pytest.fixture(scope="module")
 def rayservice():
     return load_yaml(DEPLOY / "kuberay" / "rayservice.yaml")
+
+
+def test_disaggregated_rayservice_has_a_worker_group_per_kind_of_engine_group(crd_validator):
+    from cluster.replica_engine import engine_bundles
+
+    rayservice = load_yaml(DEPLOY / "kuberay" / "rayservice-pd.yaml")
+    crd_validator.validate(rayservice)
+    _, args = check_serve_config(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
+    assert args.pd_disaggregation
+    groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    for kind, group in (("prefill", groups["prefill"]), ("decode", groups["decode"])):
+        group_args = args.group_args(kind)
+        params = group["rayStartParams"]
+        assert json.loads(json.loads(params["resources"])) == {group_args.node_resource: 1}
+        bundles = engine_bundles(group_args)  # the group's placement asks for its pods' resource
+        assert bundles[0][group_args.node_resource] == 1 and len(bundles) == 1 + group_args.cp_size
+        (container,) = group["template"]["spec"]["containers"]
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == int(params["num-gpus"]) \
+            == group_args.cp_size
 
 
 def test_rayservice_validates_against_the_crd(crd_validator, rayservice):

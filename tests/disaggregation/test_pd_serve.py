@@ -13,6 +13,7 @@ import os
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from cluster.engine_spec import EngineOptions
@@ -86,3 +87,11 @@ def test_pd_over_serve_is_bit_identical_to_colocated(base_url):
     for stream in (False, True):
         for i in range(len(PROMPTS)):
             assert completion(base_url, i, stream) == expected[i], (i, stream)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text)
+               for s in family.samples}
+    handoffs = sum(v for (name, _), v in samples.items() if name == "dsa_serve:pd_handoffs_total")
+    assert handoffs == 2 * 3  # prompt 3 (5 tokens) is prefilled by its decode group: below pd_min_prefill_tokens
+    assert sum(v for (name, _), v in samples.items() if name == "dsa_serve:pd_handoff_bytes_total") > 0
+    prefill_ranks = {labels for (name, labels), _ in samples.items() if name == "dsa_serve:kv_pages_total"}
+    assert len(prefill_ranks) == 3  # the decode replica's rank and the prefill replica's two

@@ -30,6 +30,7 @@ def record_everything(metrics: ServeMetrics) -> None:
     metrics.count_structured_output("json_schema")
     metrics.observe_grammar_compile(0.02)
     metrics.observe_grammar_mask(0.0004)
+    metrics.observe_handoff(nbytes=1 << 20, seconds=0.003, retries=1)
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -57,7 +58,9 @@ def test_every_metric_is_prefixed_and_labelled_by_replica_and_model():
     assert rendered[("dsa_serve:prefix_cache_pages", (("cp_rank", "1"), *LABELS))] == 4
     assert rendered[("dsa_serve:structured_output_requests_total", (("constraint_type", "json_schema"), *LABELS))] == 1
     assert rendered[("dsa_serve:grammar_mask_seconds_count", LABELS)] == 1
-    assert len(METRIC_SPECS) == 31
+    assert rendered[("dsa_serve:pd_handoff_bytes_total", LABELS)] == 1 << 20
+    assert rendered[("dsa_serve:pd_prefill_retries_total", LABELS)] == 1
+    assert len(METRIC_SPECS) == 36
 
 
 def test_speculative_counters_are_vllms_and_give_the_mean_acceptance_length():
