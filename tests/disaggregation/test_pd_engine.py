@@ -24,19 +24,16 @@ def prompt(length: int, seed: int) -> tuple[int, ...]:
 
 def outcomes(engine, batch: list[EngineRequest]) -> dict[str, tuple]:
     """Per request, all at once: tokens, (logprob, top) per token, text, completion tokens and finish reason."""
+    return asyncio.run(outcomes_of(engine, batch))
+
+
+async def outcomes_of(engine, batch: list[EngineRequest]) -> dict[str, tuple]:
     async def one(request):
         chunks = [chunk async for chunk in engine.generate(request)]
         return ([t for c in chunks for t in c.token_ids], [(lp.logprob, lp.top) for c in chunks for lp in c.logprobs],
                 "".join(c.text for c in chunks), chunks[-1].completion_tokens, chunks[-1].finish_reason)
 
-    async def main():
-        return dict(zip([r.request_id for r in batch], await asyncio.gather(*[one(r) for r in batch])))
-
-    return asyncio.run(main())
-
-
-def options(**overrides) -> EngineOptions:
-    return EngineOptions(**{**dict(dtype="bfloat16", num_pages=64, page_size=32, deterministic=True), **overrides})
+    return dict(zip([r.request_id for r in batch], await asyncio.gather(*[one(r) for r in batch])))
 
 
 def requests() -> list[EngineRequest]:
