@@ -57,6 +57,7 @@ bench: install
 	$(DSA) bench ep-exchange --json > $(BENCH_DIR)/ep_exchange.json
 	$(DSA) bench kv-cache --json > $(BENCH_DIR)/kv_cache.json
 	$(DSA) bench structured --json > $(BENCH_DIR)/structured.json
+	$(DSA) bench pd --json > $(BENCH_DIR)/pd.json
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype bfloat16 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_bfloat16.json
 	$(DSA) bench prefill --cp-size 2 --cp-strategy zigzag --cp-impl v2 --prompt-len 4096 --kv-cache-dtype fp8_e4m3 --repeats 2 --skip-equal-cores --json > $(BENCH_DIR)/prefill_kv_fp8_e4m3.json
 	$(DSA) bench decode --speculative-num-steps 0 --batch-size 1,8,32 --max-tokens 32 --json > $(BENCH_DIR)/decode_plain_pair.json

@@ -47,8 +47,7 @@ def prefill_detail(result: dict) -> list[str]:
     layouts = ("zigzag", "interleave", "contiguous")
     rows = [[e["prompt_len"], *[e.get("modeled_causal_work_imbalance", {}).get(k) for k in layouts],
              e.get("compute_imbalance_max_over_mean")] for e in entries]
-    lines += ["Causal work max/mean per rank (model: the query-key pairs its indexer scores) vs the measured compute "
-             f"max/mean ({result.get('cp_strategy')}):", ""]
+    lines += [f"Causal work max/mean per rank, modeled and measured ({result.get('cp_strategy')}):", ""]
     lines += markdown_table(["L", *[f"{k} (model)" for k in layouts], "measured"], rows)
     phases = ("indexer", "attention", "mlp", "communication", "other")
     rows = []
@@ -56,11 +55,11 @@ def prefill_detail(result: dict) -> list[str]:
         rows.append([e["prompt_len"], "C=1", *[e.get("c1_phase_s", {}).get(k) for k in phases]])
         for rank, split in enumerate(e.get("per_rank_phase_s") or []):
             rows.append([e["prompt_len"], f"rank {rank}", *[split.get(k) for k in phases]])
-    lines += ["", "Time split per phase (seconds; indexer = indexer projections + scoring + top-k):", ""]
+    lines += ["", "Phase split (s; indexer = projections + scoring + top-k):", ""]
     lines += markdown_table(["L", "run", *phases], rows)
     blocks = [b for b in (e.get("prefill_flop_efficiency") for e in entries) if b and not b.get("skipped")]
     if blocks:
-        lines += ["", "FLOP efficiency of the C ranks' served prefill (definitions in the JSON):", ""]
+        lines += ["", "FLOP efficiency of the served CP prefill (definitions in the JSON):", ""]
         lines += efficiency_table(blocks)
     if result.get("measured_kv_bytes_per_token") is not None:
         lines += ["", f"KV cache bytes per token: measured {result['measured_kv_bytes_per_token']}, formula "
@@ -75,8 +74,7 @@ def served_and_one_batch(result: dict, entries: list[dict]) -> list[str]:
             for e in entries if e.get("one_batch")]
     if not rows:
         return []
-    lines = [f"Served path (chunks of {result.get('prefill_chunk_tokens')} tokens as `serve` runs it: the table above) "
-             "vs one unchunked batch:", ""]
+    lines = [f"Served ({result.get('prefill_chunk_tokens')}-token chunks, the table above) vs one unchunked batch:", ""]
     return lines + markdown_table(["L", "chunks", "served C=1 s", "served C ranks s", "served eff.", "one batch C=1 s",
                                    "one batch C ranks s", "one batch eff."], rows) + [""]
 
@@ -166,5 +164,15 @@ def structured_table(result: dict) -> list[str]:
     return lines + [f"- {failure['request']}: {failure['reason']}" for failure in validity["failures"]]
 
 
+def pd_table(result: dict) -> list[str]:
+    isolation, transfer, alone = result["isolation"], result["transfer"], result["alone"]
+    lines = markdown_table(["engine", "short streams' chunk gap p50 / p99 (s)", "lone TTFT (s)", "lone tokens/s"],
+                           [[name, f"{isolation[name]['itl_p50_s']} / {isolation[name]['itl_p99_s']}",
+                             alone[name]["ttft_s"], alone[name]["tokens_per_s"]] for name in ("colocated", "pd")])
+    return lines + ["", f"{transfer['prompt_tokens']}-token hand-off: {transfer['bytes']:,} B (formula "
+                        f"{transfer['formula_bytes']:,}), {transfer['transfer_s']} s against a {transfer['prefill_s']} s "
+                        f"prefill ({transfer['transfer_over_prefill']:.1%})."]
+
+
 TABLES = {"attention": attention_table, "prefill": prefill_table, "decode": decode_table, "serve": serve_table,
-          "kv-cache": kv_cache_table, "structured": structured_table}
+          "kv-cache": kv_cache_table, "structured": structured_table, "pd": pd_table}

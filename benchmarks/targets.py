@@ -222,6 +222,14 @@ def structured_validity(results: dict[str, list[dict]]) -> Outcome:
                     for r in results.get("structured", [])])
 
 
+def pd_ratio(name: str, limit: float, sign: str) -> Callable[[dict[str, list[dict]]], Outcome]:
+    def check(results: dict[str, list[dict]]) -> Outcome:
+        return combine([(f"{r['ratios'][name]:.3f}", r["ratios"][name] <= limit if sign == "<=" else
+                         r["ratios"][name] >= limit) for r in results.get("pd", [])])
+
+    return check
+
+
 def combine(outcomes: list[tuple[str, bool]]) -> Outcome:
     """Several results measuring one target: every one must pass."""
     if not outcomes:
@@ -263,6 +271,14 @@ TARGETS = (
            "unconstrained", "structured", structured_mask_overhead),
     Target("structured outputs: every output of >= 50 schemas parses and validates", "structured",
            structured_validity),
+    Target("disaggregation: inter-token p99 of 8 streams while 16k prompts arrive <= 0.2x colocated", "pd",
+           pd_ratio("isolation_itl_p99_ratio", 0.2, "<=")),
+    Target("disaggregation: an 8k prompt's hand-off <= 10 % of its prefill time", "pd",
+           pd_ratio("transfer_over_prefill", 0.10, "<=")),
+    Target("disaggregation, one stream alone: TTFT >= 0.8x colocated", "pd",
+           pd_ratio("alone_ttft_ratio", 0.8, ">=")),
+    Target("disaggregation, one stream alone: tokens/s >= 0.8x colocated", "pd",
+           pd_ratio("alone_tokens_per_s_ratio", 0.8, ">=")),
 )
 
 

@@ -126,3 +126,4 @@ class StepResult:
     grammar_mask_s: float = 0.0  # structured outputs: seconds spent computing grammar masks, and how many
     grammar_masks: int = 0
     handoffs: dict[str, RequestHandoff] = field(default_factory=dict)  # prefilled requests handed off (owner)
+    handoff_s: float = 0.0  # seconds reading out hand-offs (prefill group) or writing them (decode group)

@@ -30,7 +30,7 @@ from model_workers.grammar.rank_grammars import RankGrammars
 from model_workers.grammar.request_grammar import MASK_CLOCK
 from model_workers.expert_parallel import ExpertExchange, ForwardRows, cp_forward_rows, dp_forward_rows
 from model_workers.kernels.registry import kernel_set
-from model_workers.kv_handoff import export_handoff, import_handoff
+from model_workers.kv_handoff import HANDOFF_CLOCK, export_handoff, import_handoff
 from model_workers.host_memory import bound_onednn_caches, keep_large_allocations_on_heap, release_free_heap
 from model_workers.page_table import PageTable
 from model_workers.load_progress import LoadProgress
@@ -183,6 +183,7 @@ class CPWorker:
         result.compute_s, result.cpu_s = wall_s - stats.seconds, time.process_time() - cpu_start
         result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         result.grammar_mask_s, result.grammar_masks = MASK_CLOCK.take()
+        result.handoff_s = HANDOFF_CLOCK.take()[0]
         return result
 
     def free(self, request_ids: list[str]) -> None:

@@ -12,30 +12,37 @@ counts. A constrained request's matcher is rebuilt from its grammar and output s
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from cp_router.handoff import ImportItem, RequestHandoff
 from cp_router.pages import pages_for
 from model_workers.decode_loop import HeldRequest
-from model_workers.grammar.request_grammar import RequestGrammar
+from model_workers.grammar.request_grammar import MaskClock, RequestGrammar
 from model_workers.models.common.topk_sharing import position_slots, slot_positions
 from model_workers.page_table import PageTable
+
+HANDOFF_CLOCK = MaskClock()  # seconds this process spent reading out or writing hand-offs (a rank reports it per step)
 
 
 def export_handoff(cache, table: PageTable, held: HeldRequest, page_size: int) -> RequestHandoff:
     """The request held under `table.state_key` whose pages are `table` (num_tokens positions cached), on CPU."""
+    start = time.perf_counter()
     pages = torch.tensor(table.pages[: pages_for(table.num_tokens, page_size)], dtype=torch.long)
     stores = tuple(_paged(store, rows_per_page)[pages.to(store.device)].cpu()  # [P, rows_per_page, width]
                    for store, rows_per_page in cache.page_stores())
     topk = None if held.draft_topk is None else slot_positions(table, held.draft_topk.cpu(), page_size)
-    return RequestHandoff(
+    handoff = RequestHandoff(
         table.state_key, table.num_tokens, page_size, stores, cache.export_state(table.state_key),
         None if held.draft_hidden is None else held.draft_hidden.cpu(), topk, held.history)
+    HANDOFF_CLOCK.seconds += time.perf_counter() - start
+    return handoff
 
 
 def import_handoff(cache, item: ImportItem, grammar_cache, eos_ids: tuple[int, ...], device) -> HeldRequest:
     """Writes `item.handoff` into `item.pages` of this rank's cache; returns what the rank holds of the request."""
-    handoff = item.handoff
+    handoff, start = item.handoff, time.perf_counter()
     if len(item.pages) < pages_for(handoff.num_tokens, handoff.page_size):
         raise ValueError(f"hand-off of {handoff.request_id}: {len(item.pages)} pages cannot hold its "
                          f"{handoff.num_tokens} cached positions")
@@ -51,7 +58,9 @@ def import_handoff(cache, item: ImportItem, grammar_cache, eos_ids: tuple[int, .
     topk = None if handoff.draft_topk_positions is None else \
         position_slots(table, handoff.draft_topk_positions, handoff.page_size).to(device)
     hidden = None if handoff.draft_hidden is None else handoff.draft_hidden.to(device)
-    return HeldRequest(item.sampling, hidden, topk, handoff.history, _grammar(item, grammar_cache, eos_ids))
+    held = HeldRequest(item.sampling, hidden, topk, handoff.history, _grammar(item, grammar_cache, eos_ids))
+    HANDOFF_CLOCK.seconds += time.perf_counter() - start
+    return held
 
 
 def _paged(store: torch.Tensor, rows_per_page: int) -> torch.Tensor:

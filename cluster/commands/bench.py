@@ -4,7 +4,7 @@ prefill: CP scaling over prompt lengths; attention: sparse vs dense per layer; d
 serve: a closed-loop HTTP load against any OpenAI-compatible URL (or a server it starts), next to the in-process
 engine; ep: expert parallelism against none on one group; ep-exchange: the MoE exchange's collective shapes at
 DeepSeek-V3.2 sizes; kv-cache: FP8 vs bf16 KV accuracy and bytes; structured: grammar mask overhead and the
-validity of schema-constrained outputs.
+validity of schema-constrained outputs; pd: prefill/decode disaggregation against colocated.
 The measuring harness (the `transformers` baselines, the long workload, the soak, BENCHMARKS.md and its targets)
 is the repository's `benchmarks/` folder, not installed: `python -m benchmarks KIND` from a checkout
 (docs/benchmarks.md). `bench soak` and `bench report` answer with that command.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.bench import attention, decode, ep_exchange, expert_parallel, kv_cache, prefill, serve, structured
+from cluster.bench import attention, decode, ep_exchange, expert_parallel, kv_cache, pd, prefill, serve, structured
 from cluster.commands.result_output import with_results_only_on_stdout
 
 IN_HARNESS = ("soak", "report")  # kinds that moved to `python -m benchmarks`
@@ -31,6 +31,7 @@ def add_parser(commands) -> None:
     ep_exchange.add_parser(kinds)
     kv_cache.add_parser(kinds)
     structured.add_parser(kinds)
+    pd.add_parser(kinds)
     for kind in kinds.choices.values():  # the result alone on stdout (result_output.py)
         kind.set_defaults(run=with_results_only_on_stdout(kind.get_default("run")))
     for name in IN_HARNESS:

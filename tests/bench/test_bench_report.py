@@ -162,7 +162,7 @@ def test_report_shows_phases_imbalance_and_notes_of_the_prefill_bench(tmp_path):
     text = (tmp_path / "B.md").read_text()
     assert "| 8192 | 2 | 9 | 5 | 4.8 | 1.875 | 0.9375 | 1.04 | 1.02 | 10 | 10 | 1 |" in text
     assert "| 8192 | 1 | 1 | 1.5 | 1.02 |" in text  # zigzag, interleave, contiguous (model), measured
-    assert "Served path (chunks of 2048 tokens" in text
+    assert "Served (2048-token chunks, the table above) vs one unchunked batch" in text
     assert "| 8192 | 4 | 9 | 4.8 | 0.9375 | 8 | 4 | 1 |" in text  # served next to one batch
     assert "| 8192 | rank 1 | 3 | 1 | 0.5 | 0.2 | 0.1 |" in text
     assert "KV cache bytes per token: measured 1280, formula 1280" in text

@@ -24,6 +24,7 @@ from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine
 from support.serve_process import free_port
 
+pytestmark = pytest.mark.slow  # Ray groups / a Serve app on a local Ray: `make test-slow`
 SETTINGS = dict(cp_size=2, engine_placement="separate", pd_disaggregation=True, prefill_cp_size=2, decode_dp_size=1,
                 enable_deterministic_inference=True, speculative_num_steps=2, dtype="bfloat16", page_size=32,
                 num_kv_pages=96, pd_min_prefill_tokens=8)
