@@ -1,4 +1,5 @@
-"""`EngineRouter`: the Serve request router of the `DSAEngine` deployment (separate placement).
+"""`EngineRouter`: the Serve request router of the `DSAEngine` deployment (separate placement), and of `DSAPrefill`
+(disaggregated: its `prefill_handoff` calls are routed by prompt as `generate` calls are).
 
 Serve builds one router per deployment handle (each DSAIngress replica's, or a driver's) from DSAEngine's
 `request_router_config` (cluster/serve_app.py) and asks it, per call, which engine replica takes the call:
@@ -40,12 +41,13 @@ from cluster.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PrefixMatch
 from cp_router.protocol import EngineRequest
 
 GENERATE_METHOD = "generate"  # the DSAEngine method routed by its prompt
+PROMPT_METHODS = (GENERATE_METHOD, "prefill_handoff")  # methods whose first argument is an EngineRequest
 DEFAULT_IMBALANCE_THRESHOLD = 32  # ongoing requests over the least-loaded replica (SGLang's balance_abs_threshold)
 
 
 def engine_request(pending_request: PendingRequest | None) -> EngineRequest | None:
     """The `EngineRequest` of a pending `generate` call, else None."""
-    if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
+    if pending_request is None or pending_request.metadata.call_method not in PROMPT_METHODS:
         return None
     request = pending_request.args[0] if pending_request.args else pending_request.kwargs.get("request")
     return request if isinstance(request, EngineRequest) else None

@@ -2,7 +2,8 @@
 whose engine prefills requests and hands them off, and `PrefillHandleClient`, through which a decode group's
 `DisaggregatedEngine` (cp_router/disaggregated.py) reaches it over a deployment handle.
 
-Which prefill replica takes a request is Serve's choice (power of two choices by queue length). The hand-off
+Which prefill replica takes a request is cluster/engine_router.py's choice, as for DSAEngine: by prompt prefix, else
+the least loaded. The hand-off
 comes back over the same Ray stream as the first chunk (Ray's object transport: the replica pickles it, the
 decode replica reads it); the decode replica's engine writes it into its rank's pages with the request's first
 decode step.

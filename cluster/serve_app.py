@@ -269,6 +269,7 @@ def build_application(args: ServeAppArgs, engine_replicas: int | None = None) ->
         engine_args, prefill_args = args.group_args("decode"), args.group_args("prefill")
         prefill = (DSAPrefill.options(placement_group_bundles=engine_bundles(prefill_args),
                                       placement_group_strategy=args.placement_strategy,
+                                      request_router_config=engine_router_config(args),
                                       num_replicas=args.prefill_replicas, max_ongoing_requests=PREFILL_MAX_ONGOING,
                                       **drain).bind(prefill_args),)
     engine = DSAEngine.options(placement_group_bundles=engine_bundles(engine_args),

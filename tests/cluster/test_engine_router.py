@@ -65,9 +65,9 @@ def call(method: str, *args, **kwargs) -> PendingRequest:
         request_id=request_id, internal_request_id=request_id, call_method=method, is_streaming=True))
 
 
-async def route(router: EngineRouter, prompt: list[int]) -> str:
+async def route(router: EngineRouter, prompt: list[int], method: str = "generate") -> str:
     """The replica a `generate` call of `prompt` goes to; the router then learns it, as after Serve's send."""
-    pending = call("generate", EngineRequest(f"r{next(REQUEST_IDS)}", tuple(prompt), 4), "ingress-1")
+    pending = call(method, EngineRequest(f"r{next(REQUEST_IDS)}", tuple(prompt), 4), "ingress-1")
     replica = await router._choose_replica_for_request(pending)
     router.on_request_routed(pending, replica.replica_id, None)
     return replica.replica_id.unique_id
@@ -88,6 +88,17 @@ def test_prompts_sharing_a_prefix_stay_together_and_distinct_prefixes_spread():
     first_a, first_b, again, b_again = asyncio.run(run())
     assert first_b != first_a  # equally loaded: the replica sent fewer blocks takes the new prefix
     assert again == [first_a] * 4 and b_again == first_b
+
+
+def test_prefill_handoff_calls_of_a_disaggregated_app_are_routed_by_prefix_too():
+    async def run():
+        router = engine_router([FixedLoadReplica("a"), FixedLoadReplica("b")])
+        first_a = await route(router, PREFIX_A + [20], "prefill_handoff")
+        first_b = await route(router, PREFIX_B + [30], "prefill_handoff")
+        return first_a, first_b, [await route(router, PREFIX_A + [40 + i], "prefill_handoff") for i in range(3)]
+
+    first_a, first_b, again = asyncio.run(run())
+    assert first_a != first_b and again == [first_a] * 3
 
 
 def test_the_longest_shared_prefix_wins():

@@ -1,7 +1,7 @@
 """Disaggregation between Ray rank groups (engines in this process, deterministic inference, MTP k = 2): a prefill
 group of C = 2 ranks (CP, both strategies) hands off to a decode group of D = 2 ranks with the experts partitioned
 across them (EP = 2, DP-attention decode); every request's tokens and logprobs are bit-identical to one colocated
-C = 1 engine's, greedy and seeded, and the decode group's two ranks both decode hand-offs."""
+C = 1 engine's, greedy and seeded, bf16 and FP8 KV, and the decode group's two ranks both decode hand-offs."""
 
 from __future__ import annotations
 
@@ -44,13 +44,20 @@ def groups():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("strategy,impl", [("zigzag", "legacy"), ("interleave", "v2")])
-def test_cp2_prefill_to_ep2_decode_is_bit_identical_to_colocated(groups, strategy, impl):
-    colocated = outcomes(local_engine(MODEL, options()), REQUESTS)
-    prefill = engine_over_workers(resolve_engine_spec(MODEL, ResolvedCPConfig(True, 2, strategy, impl), options()),
-                                  groups["prefill"].workers)
+@pytest.mark.parametrize("strategy,impl,kv", [("zigzag", "legacy", "auto"), ("interleave", "v2", "auto"),
+                                               ("interleave", "v2", "fp8_e4m3")])  # FP8 last: it reloads the groups
+def test_cp2_prefill_to_ep2_decode_is_bit_identical_to_colocated(groups, strategy, impl, kv):
+    import ray
+
+    colocated = outcomes(local_engine(MODEL, options(kv_cache_dtype=kv)), REQUESTS)
+    prefill_spec = resolve_engine_spec(MODEL, ResolvedCPConfig(True, 2, strategy, impl), options(kv_cache_dtype=kv))
     decode_cp = ResolvedCPConfig(True, 2, "zigzag", "legacy", ep_size=2)
-    decode = engine_over_workers(resolve_engine_spec(MODEL, decode_cp, options()), groups["decode"].workers)
+    decode_spec = resolve_engine_spec(MODEL, decode_cp, options(kv_cache_dtype=kv))
+    if kv != "auto":
+        ray.get([w.load.remote(spec.rank) for spec, kind in ((prefill_spec, "prefill"), (decode_spec, "decode"))
+                 for w in groups[kind].workers])
+    prefill = engine_over_workers(prefill_spec, groups["prefill"].workers)
+    decode = engine_over_workers(decode_spec, groups["decode"].workers)
     owners = set()
     decode.add_step_observer(lambda step, results: owners.update(
         r for r, plan in step.plans.items() if plan.imports))
