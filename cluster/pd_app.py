@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.replica_engine import QUIET, replica_text, serve_engine_spec, start_replica_engine
+from cluster.replica_engine import QUIET, EngineReplica, replica_text, serve_engine_spec, start_replica_engine
 from cluster.serve_settings import ServeAppArgs
 from cp_router.console_log import configure_console_logging
 from cp_router.handoff import HandoffTicket
@@ -29,7 +29,7 @@ PREFILL_MAX_ONGOING = 1024  # prefill streams in flight per replica (each a requ
 
 
 @serve.deployment(name=PREFILL_DEPLOYMENT, logging_config=QUIET)
-class DSAPrefill:
+class DSAPrefill(EngineReplica):
     """One prefill group: a CP group and the `GenerationEngine` that prefills and hands off."""
 
     def __init__(self, args: ServeAppArgs):
@@ -42,14 +42,6 @@ class DSAPrefill:
         async for item in self.engine.prefill_handoff(request):
             yield item
 
-    async def metrics_text(self) -> str:
-        return await self.engine.metrics_text()
-
-    async def flush_cache(self) -> int:
-        return await self.engine.flush_cache()
-
-    async def check_health(self) -> None:
-        await self.engine.check_health()
 
 
 class PrefillHandleClient:

@@ -25,6 +25,21 @@ from model_workers.spec import ModelSpec
 QUIET = {"enable_access_log": False}
 
 
+class EngineReplica:
+    """What every engine deployment (DSAEngine, DSAPrefill) answers the app's broadcasts with, from `self.engine`."""
+
+    engine: object
+
+    async def metrics_text(self) -> str:
+        return await self.engine.metrics_text()
+
+    async def flush_cache(self) -> int:
+        return await self.engine.flush_cache()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+
 def engine_bundles(args: ServeAppArgs) -> list[dict[str, float]]:
     """One bundle for the engine replica (and one unit of args.node_resource, when set), then one per CP rank worker."""
     rank = {"GPU": 1} if args.device == "cuda" else {"CPU": 1}

@@ -49,7 +49,9 @@ from cluster.engine_router import EngineRouter
 from cluster.http_api.ingress import build_app
 from cluster.http_api.utility_routes import RequestIdMiddleware
 from cluster.pd_app import PREFILL_MAX_ONGOING, DSAPrefill, PrefillHandleClient
-from cluster.replica_engine import QUIET, engine_bundles, replica_text, serve_engine_spec, start_replica_engine
+from cluster.replica_engine import (
+    QUIET, EngineReplica, engine_bundles, replica_text, serve_engine_spec, start_replica_engine,
+)
 from cluster.serve_client import ServeEngineClient
 from cluster.serve_settings import IngressSettings, ServeAppArgs
 from cp_router.console_log import configure_console_logging
@@ -74,7 +76,7 @@ ENGINE_MAX_ONGOING = 4096  # engine streams in flight per replica: each HTTP req
 
 
 @serve.deployment(name=ENGINE_DEPLOYMENT, logging_config=QUIET)
-class DSAEngine:
+class DSAEngine(EngineReplica):
     """One CP group and the `GenerationEngine` driving it; disaggregated (`prefill` given), a decode group whose
     requests are prefilled by DSAPrefill replicas (cp_router/disaggregated.py)."""
 
@@ -99,15 +101,6 @@ class DSAEngine:
 
     def model_info(self) -> ModelInfo:
         return self.engine.model_info()
-
-    async def metrics_text(self) -> str:
-        return await self.engine.metrics_text()
-
-    async def flush_cache(self) -> int:
-        return await self.engine.flush_cache()
-
-    async def check_health(self) -> None:
-        await self.engine.check_health()
 
 
 INHERITED_CHAT_SETTINGS = ("chat_template", "reasoning_parser", "served_model_name", "tool_call_parser",

@@ -9,7 +9,7 @@ import asyncio
 from typing import AsyncIterator
 
 from cp_router.handoff import HandoffTicket
-from cp_router.protocol import EngineChunk, EngineRequest, EngineUnavailableError
+from cp_router.protocol import EngineChunk, EngineOverloadedError, EngineRequest, EngineUnavailableError
 from cp_router.request_stream import RequestStream, sampling_of
 from cp_router.scheduler_handoff import deliver, reserve
 
@@ -27,6 +27,8 @@ class EngineHandoff:
         group starts after this). `request.seed` must be set: both groups sample with it."""
         if request.seed is None:
             raise ValueError("a request handed off between groups needs its seed fixed before it is reserved")
+        if len(self.scheduler.reserving) >= self.max_waiting:
+            raise EngineOverloadedError(f"engine queue full ({self.max_waiting} requests waiting for room)")
         self._ensure_loop()
         future = asyncio.get_running_loop().create_future()
         self._reservations[request.request_id] = future
@@ -61,3 +63,8 @@ class EngineHandoff:
     def _cancel_reservation(self, request_id: str) -> None:
         if (future := self._reservations.pop(request_id, None)) is not None and not future.done():
             future.cancel()
+
+    def _fail_reservation(self, request_id: str, error: Exception) -> None:
+        """A reservation that will never be given its pages (the group failed): `reserve` raises `error`."""
+        if (future := self._reservations.pop(request_id, None)) is not None and not future.done():
+            future.set_exception(error)

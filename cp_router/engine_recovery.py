@@ -27,6 +27,8 @@ class EngineRecovery:
     def _fail_all(self, error: Exception) -> int:
         """Ends every request with `error`; returns how many there were."""
         request_ids = set(self.streams) | set(self.scheduler.requests)
+        for request_id in list(self._reservations):  # disaggregation: waiting for room here
+            self._fail_reservation(request_id, error)
         for request_id in request_ids:
             if (stream := self.streams.pop(request_id, None)) is not None:
                 stream.fail(error)
@@ -82,9 +84,11 @@ class EngineRecovery:
             seq = self.scheduler.requests[request_id]
             seq.num_resumes += 1
             if seq.num_resumes > self.max_resumes:
+                error = EngineUnavailableError(
+                    f"request {request_id} lost its ranks {seq.num_resumes} times (last: {cause}); not resumed")
                 if (stream := self.streams.pop(request_id, None)) is not None:
-                    stream.fail(EngineUnavailableError(
-                        f"request {request_id} lost its ranks {seq.num_resumes} times (last: {cause}); not resumed"))
+                    stream.fail(error)
+                self._fail_reservation(request_id, error)
                 self.scheduler.finish(request_id)
                 failed += 1
         return len(admitted) - failed, failed

@@ -6,20 +6,17 @@ HTTP, where the DSAIngress replica's own router routes, the engines' per-replica
 
 from __future__ import annotations
 
-import os
 import random
 import re
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from cluster.engine_channel import ChannelRoute
-from cluster.serve_app import APP_NAME, ENGINE_DEPLOYMENT, build_application, validate_args
-from cluster.serve_settings import API_KEY_ENV
+from cluster.serve_app import APP_NAME, ENGINE_DEPLOYMENT
 from cp_router.protocol import EngineRequest
-from support.serve_process import free_port
+from support.serve_process import serve_app_in_process
 
 PAGE_SIZE, VOCAB = 64, 6144  # the default model's vocabulary
 pytestmark = pytest.mark.slow  # two engine replicas on a local Ray: `make test-slow`
@@ -28,19 +25,9 @@ pytestmark = pytest.mark.slow  # two engine replicas on a local Ray: `make test-
 @pytest.fixture(scope="module")
 def served():
     """(a streaming handle of DSAEngine, the app's base URL): two engine replicas, on a local Ray of this module."""
-    api_key, port = os.environ.pop(API_KEY_ENV, None), free_port()
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = validate_args({"cp_size": 1, "engine_placement": "separate", "page_size": PAGE_SIZE})
-        serve.run(build_application(args, engine_replicas=2), name=APP_NAME, route_prefix="/")
-        yield (serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME).options(stream=True),
-               f"http://127.0.0.1:{port}")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if api_key is not None:
-            os.environ[API_KEY_ENV] = api_key
+    settings = {"cp_size": 1, "engine_placement": "separate", "page_size": PAGE_SIZE}
+    with serve_app_in_process(settings, num_cpus=6, engine_replicas=2) as base_url:
+        yield serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME).options(stream=True), base_url
 
 
 def tokens(seed: int, length: int) -> list[int]:

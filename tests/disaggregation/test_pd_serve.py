@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import httpx
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
 
 from cluster.engine_spec import EngineOptions
-from cluster.serve_app import APP_NAME, build_application, validate_args
-from cluster.serve_settings import API_KEY_ENV
 from cp_router.protocol import EngineRequest
 from model_workers.checkpoint.model_dir import resolve_model_dir
 from support.engines import local_engine
-from support.serve_process import free_port
+from support.serve_process import serve_app_in_process
 
 pytestmark = pytest.mark.slow  # Ray groups / a Serve app on a local Ray: `make test-slow`
 SETTINGS = dict(cp_size=2, engine_placement="separate", pd_disaggregation=True, prefill_cp_size=2, decode_dp_size=1,
@@ -33,17 +28,8 @@ PROMPTS = [[(17 * i + 5 * j) % 6000 + 3 for j in range(n)] for i, n in enumerate
 
 @pytest.fixture(scope="module")
 def base_url():
-    api_key, port = os.environ.pop(API_KEY_ENV, None), free_port()
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(validate_args(SETTINGS)), name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if api_key is not None:
-            os.environ[API_KEY_ENV] = api_key
+    with serve_app_in_process(SETTINGS, num_cpus=6) as url:
+        yield url
 
 
 def colocated() -> dict[int, tuple]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -93,3 +94,25 @@ def descendant_pids(root_pid: int, marker: bytes) -> list[int]:
         except OSError:
             continue
     return sorted(found)
+
+
+@contextlib.contextmanager
+def serve_app_in_process(settings: dict, num_cpus: int, engine_replicas: int | None = None):
+    """The app of `settings` (ServeAppArgs fields) on a local Ray of this process, through Serve's proxy; yields
+    its base URL. No API key (DSA_SERVE_API_KEY is set aside meanwhile); Serve and Ray are shut down after."""
+    import ray
+    from ray import serve
+
+    from cluster.serve_app import APP_NAME, build_application, validate_args
+
+    api_key, port = os.environ.pop(API_KEY_ENV, None), free_port()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_application(validate_args(settings), engine_replicas), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if api_key is not None:
+            os.environ[API_KEY_ENV] = api_key
