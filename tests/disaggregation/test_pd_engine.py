@@ -36,6 +36,10 @@ async def outcomes_of(engine, batch: list[EngineRequest]) -> dict[str, tuple]:
     return dict(zip([r.request_id for r in batch], await asyncio.gather(*[one(r) for r in batch])))
 
 
+def options(**overrides) -> EngineOptions:
+    return EngineOptions(**{**dict(dtype="bfloat16", num_pages=64, page_size=32, deterministic=True), **overrides})
+
+
 def requests() -> list[EngineRequest]:
     """Greedy and seeded, with logprobs and penalties, prompts of 5..300 tokens (several pages, one partly full)."""
     return [EngineRequest(f"r{i}", prompt(5 + 59 * i, i), 9, temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
