@@ -57,22 +57,23 @@ class DisaggregatedEngine:
         if request.seed is None:
             request = replace(request, seed=random.getrandbits(62))  # what sampling_of would draw, fixed for both
         await self.decode.reserve(request)
+        decoding = False  # from the hand-off's delivery on, the decode stream aborts what its reader drops
         try:
             first, ticket, transfer_s, retries = await self._prefill_with_retry(request)
-        except BaseException:
-            await self.decode.abort(request.request_id)  # its reservation
-            raise
-        for chunk in first:
-            yield chunk
-        if ticket is None:  # the first chunk ended it
-            await self.decode.abort(request.request_id)
-            return
-        self.stats["handoffs"] += 1
-        self.stats["handoff_bytes"] += ticket.handoff.nbytes
-        if (metrics := getattr(self.decode, "metrics", None)) is not None:
-            metrics.observe_handoff(ticket.handoff.nbytes, transfer_s, retries)
-        async for chunk in self.decode.decode_handoff(request, ticket):
-            yield chunk
+            for chunk in first:
+                yield chunk
+            if ticket is None:  # the first chunk ended it
+                return
+            self.stats["handoffs"] += 1
+            self.stats["handoff_bytes"] += ticket.handoff.nbytes
+            if (metrics := getattr(self.decode, "metrics", None)) is not None:
+                metrics.observe_handoff(ticket.handoff.nbytes, transfer_s, retries)
+            decoding = True
+            async for chunk in self.decode.decode_handoff(request, ticket):
+                yield chunk
+        finally:
+            if not decoding:  # failed, ended by its first chunk, or its reader left before the hand-off
+                await self.decode.abort(request.request_id)  # its reservation
 
     async def _prefill_with_retry(self, request: EngineRequest) -> tuple[list[EngineChunk], HandoffTicket | None,
                                                                           float, int]:

@@ -149,3 +149,17 @@ def test_a_decode_rank_lost_mid_stream_resumes_every_request_bit_exact(colocated
     assert settled(outcomes_of(pd, REQUESTS), prefill, decode) == colocated
     assert repair.replaced == 1 and decode.recoveries[-1].resumed >= 1
     assert_no_pages_taken(prefill, decode)
+
+
+def test_a_reader_leaving_after_the_first_chunk_frees_the_reservation():
+    prefill, decode = local_engine(MODEL, OPTIONS), local_engine(MODEL, OPTIONS)
+    pd = DisaggregatedEngine(decode, prefill)
+
+    async def first_chunk_only():
+        stream = pd.generate(REQUESTS[2])
+        chunk = await stream.__anext__()
+        await stream.aclose()  # the client went away
+        return chunk.token_ids
+
+    assert len(settled(first_chunk_only(), prefill, decode)) >= 1
+    assert_no_pages_taken(prefill, decode)
