@@ -18,6 +18,7 @@ from cp_router.plans import StepPlan
 from cp_router.protocol import EngineRequest
 from cp_router.request_stream import sampling_of
 from model_workers.models.common.topk_sharing import slot_positions
+from model_workers.page_table import PageTable
 from support.cp_cluster import make_prompts
 from support.engines import local_engine
 
@@ -75,7 +76,7 @@ class HeldAfterPrefill:
         pages = step.plans[0].prefill.page_tables[0]
         held = worker.held[piece.request_id]
         topk = None if held.draft_topk is None else slot_positions(
-            type("T", (), {"pages": list(pages)})(), held.draft_topk, PAGE_SIZE)
+            PageTable(list(pages)), held.draft_topk, PAGE_SIZE)
         self.seen = (worker.export_kv(list(pages), piece.prefix_len + piece.extend_len, piece.request_id),
                      held.draft_hidden.clone(), topk)
 
@@ -109,4 +110,4 @@ def test_imported_state_equals_the_prefill_ranks(models, family):
     assert torch.equal(held.draft_hidden, hidden)
     assert (topk is None) == (family != "glm")
     if topk is not None:
-        assert torch.equal(slot_positions(type("T", (), {"pages": list(pages)})(), held.draft_topk, PAGE_SIZE), topk)
+        assert torch.equal(slot_positions(PageTable(list(pages)), held.draft_topk, PAGE_SIZE), topk)
